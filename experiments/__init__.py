@@ -1,0 +1,1 @@
+"""stabljax experiments: small-scale reproductions of training instabilities and remedies."""
