@@ -1,0 +1,1 @@
+"""In-graph stability transforms: every one an Optax ``GradientTransformation``."""

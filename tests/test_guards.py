@@ -1,0 +1,624 @@
+"""Tests for stabljax.optim.guards: skip_nonfinite, skip_spikes, any_skipped, skip_streak."""
+
+from __future__ import annotations
+
+import functools
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from helpers import mesh8, nested_params, random_grads_like, shard_leading
+
+from stabljax.optim.guards import (
+    SkipNonfiniteState,
+    SkipSpikesState,
+    any_skipped,
+    skip_nonfinite,
+    skip_spikes,
+    skip_streak,
+)
+
+TINY = float(np.finfo(np.float32).tiny)
+
+
+# --------------------------------------------------------------------------- helpers
+
+
+def assert_bitwise_equal(a, b):
+    """Same structure, dtypes and bytes in every leaf (NaN == NaN, 0.0 != -0.0)."""
+    la, ta = jax.tree.flatten(a)
+    lb, tb = jax.tree.flatten(b)
+    assert ta == tb
+    for x, y in zip(la, lb, strict=True):
+        x, y = np.asarray(x), np.asarray(y)
+        assert x.dtype == y.dtype and x.shape == y.shape
+        assert x.tobytes() == y.tobytes(), (x, y)
+
+
+def assert_exact_zeros(tree):
+    leaves = jax.tree.leaves(tree)
+    assert leaves
+    for x in leaves:
+        x = np.asarray(x)
+        assert x.tobytes() == np.zeros_like(x).tobytes(), x
+
+
+def poison(tree, value, path=("dense", "w"), index=(3, 5)):
+    """Copy of ``tree`` with one element of one leaf set to ``value``."""
+    leaf = tree[path[0]][path[1]]
+    new = {**tree, path[0]: {**tree[path[0]], path[1]: leaf.at[index].set(value)}}
+    return new
+
+
+def jit_update(opt):
+    return jax.jit(opt.update)
+
+
+def np_weighted_stats(xs, decay):
+    """Mean and population variance of ``xs`` weighted by decay**(n-k): float64 reference."""
+    xs = np.asarray(xs, np.float64)
+    w = decay ** np.arange(len(xs) - 1, -1, -1, dtype=np.float64)
+    mean = np.sum(w * xs) / np.sum(w)
+    return mean, np.sum(w * (xs - mean) ** 2) / np.sum(w)
+
+
+def np_global_norm(tree):
+    return np.sqrt(sum(np.sum(np.asarray(g, np.float64) ** 2) for g in jax.tree.leaves(tree)))
+
+
+def np_zscore(x, mean, var):
+    std = np.sqrt(max(var, (1e-6 * abs(mean)) ** 2)) + TINY
+    return (x - mean) / std
+
+
+@functools.cache
+def warmed_spike_guard(watch=("loss", "grad_norm"), n=12, warmup=10):
+    """A skip_spikes(adam) guard fed ``n`` normal steps: (step, params, state), shared by tests.
+
+    Cached so that the tests reusing it compile its update once; states are immutable.
+    """
+    params = nested_params()
+    opt = skip_spikes(optax.adam(1e-2), warmup_steps=warmup, watch=watch)
+    step = jit_update(opt)
+    state = opt.init(params)
+    rng = np.random.default_rng(0)
+    for i in range(n):
+        grads = random_grads_like(params, seed=100 + i)
+        _, state = step(grads, state, params, loss=1.0 + 0.05 * rng.standard_normal())
+    assert not bool(state.spike_skipped) and int(state.spike_count) == n
+    return step, params, state
+
+
+# --------------------------------------------------------------------------- skip_nonfinite
+
+# Shared so that parametrized cases compile once.
+ADAM = optax.adam(1e-2)
+ADAM_STEP = jax.jit(ADAM.update)
+ADAM_GUARD = skip_nonfinite(optax.adam(1e-2))
+ADAM_GUARD_STEP = jax.jit(ADAM_GUARD.update)
+
+
+@pytest.mark.parametrize("bad", [np.nan, np.inf, -np.inf])
+def test_skip_nonfinite_bad_leaf_exact_zeros_and_frozen_state(bad):
+    params = nested_params()
+    g1, g2, g3 = (random_grads_like(params, seed=s) for s in (1, 2, 3))
+    opt, step = ADAM_GUARD, ADAM_GUARD_STEP
+    state0 = opt.init(params)
+    u1, state1 = step(g1, state0, params)
+    assert not bool(state1.nonfinite_skipped)
+
+    u2, state2 = step(poison(g2, bad), state1, params)
+    assert_exact_zeros(u2)
+    assert u2["pair"][1] is None
+    assert_bitwise_equal(state2.inner_state, state1.inner_state)
+    assert bool(state2.nonfinite_skipped)
+    assert int(state2.nonfinite_skips) == 1 and int(state2.nonfinite_streak) == 1
+
+    u3, state3 = step(g3, state2, params)
+    assert not bool(state3.nonfinite_skipped)
+    assert int(state3.nonfinite_skips) == 1 and int(state3.nonfinite_streak) == 0
+    assert int(state3.inner_state[0].count) == 2  # the skipped step did not count
+
+    # Reference: plain Adam that never saw the bad step.
+    r_state = ADAM.init(params)
+    r1, r_state = ADAM_STEP(g1, r_state, params)
+    r3, r_state = ADAM_STEP(g3, r_state, params)
+    chex.assert_trees_all_close(u1, r1, rtol=0, atol=0)
+    chex.assert_trees_all_close(u3, r3, rtol=0, atol=0)
+    chex.assert_trees_all_close(state3.inner_state, r_state, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("loss", [np.nan, np.inf])
+def test_skip_nonfinite_nonfinite_loss_skips(loss):
+    params = nested_params()
+    opt, step = ADAM_GUARD, ADAM_GUARD_STEP
+    state0 = opt.init(params)
+    grads = random_grads_like(params, seed=1)
+    u, state1 = step(grads, state0, params, loss=jnp.float32(loss))
+    assert_exact_zeros(u)
+    assert_bitwise_equal(state1.inner_state, state0.inner_state)
+    assert bool(state1.nonfinite_skipped)
+    u, state2 = step(grads, state1, params, loss=jnp.float32(0.5))
+    assert not bool(state2.nonfinite_skipped)
+    assert int(state2.inner_state[0].count) == 1
+    chex.assert_tree_all_finite(u)
+
+
+def test_skip_nonfinite_inf_in_inner_output_skips():
+    params = nested_params()
+    # Finite gradients, but the inner output overflows float32 (0.01 * 1e60).
+    inner = optax.chain(optax.adam(1e-2), optax.scale(1e30), optax.scale(1e30))
+    opt = skip_nonfinite(inner)
+    step = jit_update(opt)
+    state0 = opt.init(params)
+    u, state1 = step(random_grads_like(params, seed=1), state0, params)
+    assert_exact_zeros(u)
+    assert bool(state1.nonfinite_skipped)
+    assert_bitwise_equal(state1.inner_state, state0.inner_state)
+    assert int(state1.inner_state[0][0].count) == 0
+
+
+def test_skip_nonfinite_never_gives_up_unlike_apply_if_finite():
+    params = {"w": jnp.ones((4,))}
+    nan_grads = {"w": jnp.array([1.0, jnp.nan, 1.0, 1.0])}
+
+    def run(opt, steps):
+        step = jax.jit(opt.update)
+        state = opt.init(params)
+        p = params
+        for _ in range(steps):
+            u, state = step(nan_grads, state, p)
+            p = optax.apply_updates(p, u)
+        return p, state
+
+    p_ours, state = run(skip_nonfinite(optax.sgd(0.1)), 10)
+    assert_bitwise_equal(p_ours, params)
+    assert int(state.nonfinite_streak) == 10 and int(state.nonfinite_skips) == 10
+    assert int(skip_streak(state)) == 10
+
+    # The failure case: optax.apply_if_finite gives up after max_consecutive_errors.
+    p_optax, _ = run(optax.apply_if_finite(optax.sgd(0.1), max_consecutive_errors=3), 10)
+    assert np.isnan(np.asarray(p_optax["w"])).any()
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_skip_nonfinite_keeps_dtypes(dtype):
+    params = {"a": jnp.ones((8,), dtype), "b": jnp.ones((2, 3), jnp.float32), "c": None}
+    opt = skip_nonfinite(optax.adam(1e-2))
+    step = jit_update(opt)
+    state = opt.init(params)
+    good = {"a": jnp.full((8,), 0.5, dtype), "b": jnp.full((2, 3), -0.5), "c": None}
+    bad = {**good, "a": good["a"].at[0].set(jnp.nan)}
+    for grads in (good, bad):
+        u, state = step(grads, state, params)
+        assert u["a"].dtype == dtype and u["b"].dtype == jnp.float32 and u["c"] is None
+    assert bool(state.nonfinite_skipped)
+    assert_exact_zeros(u)
+
+
+# --------------------------------------------------------------------------- skip_spikes
+
+
+def test_skip_spikes_statistics_match_numpy_reference():
+    params = nested_params()
+    decay, warmup = 0.9, 5
+    opt = skip_spikes(optax.sgd(0.1), ema_decay=decay, warmup_steps=warmup)
+    step = jit_update(opt)
+    state = opt.init(params)
+    rng = np.random.default_rng(0)
+    losses, norms = [], []
+    for t in range(25):
+        grads = random_grads_like(params, seed=t, scale=1.0 + 0.1 * rng.standard_normal())
+        loss = np.float32(2.0 + 0.1 * rng.standard_normal())
+        x = np.array([loss, np_global_norm(grads)])
+        if t == 0:
+            z_ref = np.zeros(2)
+        else:
+            stats = [np_weighted_stats(v, decay) for v in (losses, norms)]
+            z_ref = np.array([np_zscore(x[i], *stats[i]) for i in range(2)])
+        u, state = step(grads, state, params, loss=loss)
+        assert not bool(state.spike_skipped), t  # gentle noise: no spike
+        losses.append(x[0])
+        norms.append(x[1])
+        np.testing.assert_allclose(np.asarray(state.spike_zscore), z_ref, rtol=1e-3, atol=1e-5)
+        for i, vals in enumerate((losses, norms)):
+            mean, var = np_weighted_stats(vals, decay)
+            np.testing.assert_allclose(float(state.spike_mean[i]), mean, rtol=1e-6)
+            np.testing.assert_allclose(float(state.spike_var[i]), var, rtol=1e-4, atol=1e-9)
+        assert int(state.spike_count) == t + 1
+        chex.assert_trees_all_close(u, jax.tree.map(lambda g: -0.1 * g, grads), rtol=1e-6)
+
+
+@pytest.mark.parametrize("which", ["loss", "grad_norm"])
+def test_skip_spikes_spike_skipped_then_normal_steps_applied(which):
+    step, params, state = warmed_spike_guard()
+    rng = np.random.default_rng(1)
+    grads = random_grads_like(params, seed=7)
+    loss = 1.0
+    if which == "loss":
+        loss = 10.0
+    else:
+        grads = jax.tree.map(lambda g: 100.0 * g, grads)
+    before = state
+    u, state = step(grads, state, params, loss=loss)
+    i = ("loss", "grad_norm").index(which)
+    assert float(state.spike_zscore[i]) > 6.0
+    assert bool(state.spike_skipped) and int(state.spike_streak) == 1
+    assert_exact_zeros(u)
+    assert_bitwise_equal(state.spike_inner_state, before.spike_inner_state)
+    for field in ("spike_count", "spike_mean", "spike_var"):
+        assert_bitwise_equal(getattr(state, field), getattr(before, field))
+
+    for t in range(5):
+        grads = random_grads_like(params, seed=200 + t)
+        u, state = step(grads, state, params, loss=1.0 + 0.05 * rng.standard_normal())
+        assert not bool(state.spike_skipped), t
+        assert int(state.spike_streak) == 0
+        assert any(np.any(np.asarray(x) != 0) for x in jax.tree.leaves(u))
+    assert int(state.spike_skips) == 1 and int(state.spike_count) == 12 + 5
+
+
+def test_skip_spikes_is_one_sided():
+    step, params, state = warmed_spike_guard()
+    grads = jax.tree.map(lambda g: 1e-3 * g, random_grads_like(params, seed=7))
+    _, state = step(grads, state, params, loss=-50.0)
+    assert float(state.spike_zscore[0]) < -6.0 and float(state.spike_zscore[1]) < -6.0
+    assert not bool(state.spike_skipped)
+
+
+@pytest.mark.parametrize("bad", ["nan_loss", "inf_loss", "nan_grad"])
+def test_skip_spikes_nonfinite_does_not_poison_statistics(bad):
+    """MaxText/Levanter let a NaN into the history; here it is skipped and kept out."""
+    step, params, state = warmed_spike_guard()
+    rng = np.random.default_rng(1)
+    grads = random_grads_like(params, seed=7)
+    loss = {"nan_loss": np.nan, "inf_loss": np.inf}.get(bad, 1.0)
+    if bad == "nan_grad":
+        grads = poison(grads, jnp.nan)
+    before = state
+    u, state = step(grads, state, params, loss=loss)
+    assert bool(state.spike_skipped)
+    assert_exact_zeros(u)
+    assert_bitwise_equal(state.spike_inner_state, before.spike_inner_state)
+    for field in ("spike_count", "spike_mean", "spike_var"):
+        assert_bitwise_equal(getattr(state, field), getattr(before, field))
+    chex.assert_tree_all_finite((state.spike_mean, state.spike_var))
+    for t in range(3):
+        grads = random_grads_like(params, seed=300 + t)
+        u, state = step(grads, state, params, loss=1.0 + 0.05 * rng.standard_normal())
+        assert not bool(state.spike_skipped), t
+        chex.assert_tree_all_finite(u)
+
+
+def test_skip_spikes_warmup_only_gathers_but_skips_nonfinite():
+    params = {"w": jnp.ones((3,))}
+    opt = skip_spikes(optax.sgd(1.0), warmup_steps=5, watch=("loss",))
+    step = jit_update(opt)
+    state = opt.init(params)
+    g = {"w": jnp.ones((3,))}
+    wild = [1.0, 1e4, 1.0, 1e8]
+    for loss in wild:
+        u, state = step(g, state, params, loss=loss)
+        assert not bool(state.spike_skipped)
+        np.testing.assert_array_equal(np.asarray(u["w"]), -np.ones(3))
+    # A NaN during warmup is still skipped and not counted.
+    u, state = step(g, state, params, loss=np.nan)
+    assert bool(state.spike_skipped) and int(state.spike_count) == 4
+    assert_exact_zeros(u)
+    mean, var = np_weighted_stats(wild, 0.99)
+    np.testing.assert_allclose(float(state.spike_mean[0]), mean, rtol=1e-6)
+    np.testing.assert_allclose(float(state.spike_var[0]), var, rtol=1e-5)
+
+
+def test_skip_spikes_skips_nonfinite_inner_output_during_warmup():
+    params = {"w": jnp.ones((3,))}
+    inner = optax.chain(optax.sgd(1.0), optax.scale(1e30), optax.scale(1e30))
+    opt = skip_spikes(inner, watch=("grad_norm",))
+    state0 = opt.init(params)
+    u, state = jit_update(opt)({"w": jnp.ones((3,))}, state0, params)
+    assert bool(state.spike_skipped) and int(state.spike_count) == 0
+    assert_exact_zeros(u)
+
+
+def test_skip_spikes_constant_signal_and_deterministic_repeat():
+    params = {"w": jnp.ones((2,))}
+    opt = skip_spikes(optax.sgd(1.0), warmup_steps=3, watch=("loss",))
+    step = jit_update(opt)
+    state = opt.init(params)
+    g = {"w": jnp.ones((2,))}
+    for _ in range(4):  # constant signal: variance 0, floored std, mean exactly 2
+        _, state = step(g, state, params, loss=2.0)
+        assert not bool(state.spike_skipped)
+    assert float(state.spike_var[0]) == 0.0 and float(state.spike_mean[0]) == 2.0
+    # A flagged step repeats on a deterministic objective: statistics do not move.
+    for streak in range(1, 5):
+        before = state
+        _, state = step(g, state, params, loss=2.5)
+        assert bool(state.spike_skipped) and int(state.spike_streak) == streak
+        assert_bitwise_equal(state.spike_mean, before.spike_mean)
+        assert int(skip_streak(state)) == streak
+    # A value exactly equal to the mean is never skipped.
+    _, state = step(g, state, params, loss=2.0)
+    assert not bool(state.spike_skipped) and float(state.spike_zscore[0]) == 0.0
+
+
+def test_skip_spikes_value_equal_to_mean_not_skipped():
+    params = {"w": jnp.ones((2,))}
+    opt = skip_spikes(optax.sgd(1.0), warmup_steps=3, z_threshold=0.5, watch=("loss",))
+    step = jit_update(opt)
+    state = opt.init(params)
+    for loss in (1.0, 3.0, 2.0, 7.0, 1.5):
+        _, state = step(params, state, params, loss=loss)
+    assert float(state.spike_var[0]) > 0
+    _, state = step(params, state, params, loss=state.spike_mean[0])
+    assert float(state.spike_zscore[0]) == 0.0 and not bool(state.spike_skipped)
+
+
+def test_skip_spikes_grad_norm_only_needs_no_loss():
+    params = nested_params()
+    opt = skip_spikes(optax.sgd(0.1), warmup_steps=3, watch=("grad_norm",))
+    step = jit_update(opt)
+    state = opt.init(params)
+    for t in range(4):
+        _, state = step(random_grads_like(params, seed=t), state, params)
+    assert not bool(state.spike_skipped) and state.spike_mean.shape == (1,)
+    big = jax.tree.map(lambda g: 50.0 * g, random_grads_like(params, seed=9))
+    u, state = step(big, state, params)
+    assert bool(state.spike_skipped)
+    assert_exact_zeros(u)
+
+
+def test_skip_spikes_missing_loss_raises_at_trace_time():
+    params = {"w": jnp.ones((2,))}
+    opt = skip_spikes(optax.sgd(0.1))
+    with pytest.raises(ValueError, match=r"loss=.*watch=\('grad_norm',\)"):
+        jax.jit(opt.update)({"w": jnp.ones((2,))}, opt.init(params), params)
+    with pytest.raises(ValueError, match="`loss` must be a scalar"):
+        jax.jit(opt.update)({"w": jnp.ones((2,))}, opt.init(params), params, loss=jnp.ones((3,)))
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_skip_spikes_keeps_dtypes_and_none_leaves(dtype):
+    # Cast f32 trees rather than drawing bf16 ones: same tree, fewer eager compiles.
+    params = jax.tree.map(lambda x: x.astype(dtype), nested_params())
+    opt = skip_spikes(optax.sgd(1e-2), warmup_steps=1)
+    step = jit_update(opt)
+    state = opt.init(params)
+    grads = jax.tree.map(lambda x: x.astype(dtype), random_grads_like(nested_params(), seed=1))
+    u, state = step(grads, state, params, loss=jnp.asarray(1.0, dtype))
+    np.testing.assert_allclose(float(state.spike_mean[1]), np_global_norm(grads), rtol=1e-6)
+    u2, state = step(poison(grads, jnp.nan), state, params, loss=jnp.asarray(1.0, dtype))
+    for out in (u, u2):
+        assert out["pair"][1] is None
+        chex.assert_trees_all_equal_dtypes(out, grads)
+    assert bool(state.spike_skipped)
+    assert_exact_zeros(u2)
+
+
+# --------------------------------------------------------------------------- nesting and helpers
+
+
+def test_nested_guards_and_helpers():
+    params = nested_params()
+    opt = skip_nonfinite(skip_spikes(optax.adam(1e-2), warmup_steps=3))
+    step = jit_update(opt)
+    state = opt.init(params)
+    for t in range(4):
+        _, state = step(random_grads_like(params, seed=t), state, params, loss=1.0 + 0.01 * t)
+    assert not bool(any_skipped(state)) and int(skip_streak(state)) == 0
+
+    # A loss spike: the inner skip_spikes skips (zeros are finite, so the outer does not).
+    u, state = step(random_grads_like(params, seed=9), state, params, loss=100.0)
+    assert_exact_zeros(u)
+    assert bool(state.inner_state.spike_skipped) and not bool(state.nonfinite_skipped)
+    assert bool(any_skipped(state)) and int(skip_streak(state)) == 1
+
+    # A NaN loss: the outer guard skips and keeps the whole inner state, spike guard included.
+    before = state
+    u, state = step(random_grads_like(params, seed=10), state, params, loss=np.nan)
+    assert_exact_zeros(u)
+    assert bool(state.nonfinite_skipped)
+    assert_bitwise_equal(state.inner_state, before.inner_state)
+    assert bool(jax.jit(any_skipped)(state)) and int(jax.jit(skip_streak)(state)) == 1
+
+
+def test_helpers_without_guards_and_through_wrappers():
+    params = {"w": jnp.ones((2,))}
+    plain = optax.adam(1e-2).init(params)
+    assert jax.jit(any_skipped)(plain).dtype == jnp.bool_
+    assert not bool(any_skipped(plain))
+    assert int(skip_streak(plain)) == 0 and skip_streak(plain).dtype == jnp.int32
+
+    opt = optax.chain(
+        skip_nonfinite(optax.scale(1.0)),
+        optax.inject_hyperparams(
+            lambda learning_rate: skip_spikes(optax.sgd(learning_rate), watch=("grad_norm",))
+        )(learning_rate=0.1),
+    )
+    opt = optax.MultiSteps(opt, 1)
+    state = opt.init(params)
+    step = jax.jit(opt.update)
+    g = {"w": jnp.array([1.0, 1.0])}
+    _, state = step(g, state, params, loss=np.nan)
+    assert bool(any_skipped(state)) and int(skip_streak(state)) == 1
+    assert isinstance(state.inner_opt_state[0], SkipNonfiniteState)
+    assert isinstance(state.inner_opt_state[1].inner_state, SkipSpikesState)
+    assert not bool(state.inner_opt_state[1].inner_state.spike_skipped)
+    _, state = step(g, state, params, loss=np.nan)
+    assert int(skip_streak(state)) == 2
+    _, state = step(g, state, params, loss=1.0)
+    assert not bool(any_skipped(state)) and int(skip_streak(state)) == 0
+
+
+def test_inside_chain_loss_reaches_guard():
+    params = nested_params()
+    guarded = optax.chain(optax.clip_by_global_norm(1.0), skip_nonfinite(optax.adam(1e-2)))
+    plain = optax.chain(optax.clip_by_global_norm(1.0), optax.adam(1e-2))
+    g_step, p_step = jit_update(guarded), jit_update(plain)
+    gs, ps = guarded.init(params), plain.init(params)
+    for t in range(3):
+        grads = random_grads_like(params, seed=t)
+        gu, gs = g_step(grads, gs, params, loss=1.0)
+        pu, ps = p_step(grads, ps, params)
+        chex.assert_trees_all_close(gu, pu, rtol=0, atol=0)
+    u, gs = g_step(random_grads_like(params, seed=5), gs, params, loss=np.nan)
+    assert_exact_zeros(u)
+    assert bool(gs[1].nonfinite_skipped)
+
+
+def test_inside_inject_hyperparams():
+    params = {"w": jnp.ones((2,))}
+    # The documented composition: inject around an optimizer built with the guard.
+    opt = optax.inject_hyperparams(lambda learning_rate: skip_nonfinite(optax.sgd(learning_rate)))(
+        learning_rate=0.1
+    )
+    step = jit_update(opt)
+    state = opt.init(params)
+    u, state = step({"w": jnp.ones((2,))}, state, params, loss=1.0)
+    np.testing.assert_allclose(np.asarray(u["w"]), [-0.1, -0.1], rtol=1e-7)
+    u, state = step({"w": jnp.ones((2,))}, state, params, loss=np.nan)  # extra arg reached it
+    assert_exact_zeros(u)
+    assert bool(any_skipped(state))
+    # inject's own count sits outside the guard: it counts every call, skipped or not.
+    assert int(state.count) == 2
+
+    # The guard's own numeric hyperparameters can be injected too.
+    opt = optax.inject_hyperparams(skip_spikes, static_args=("watch",))(
+        optax.sgd(0.1), z_threshold=3.0, warmup_steps=2, watch=("loss",)
+    )
+    step = jit_update(opt)
+    state = jax.jit(opt.init)(params)  # the factory then sees traced hyperparameters
+    assert float(state.hyperparams["z_threshold"]) == 3.0
+    skipped = []
+    for loss in (1.0, 1.1, 0.9, 50.0, 1.0):
+        _, state = step({"w": jnp.ones((2,))}, state, params, loss=loss)
+        skipped.append(bool(any_skipped(state)))
+    assert skipped == [False, False, False, True, False]
+
+
+def test_with_multisteps():
+    params = {"dense": {"w": jnp.ones((4, 6))}, "b": jnp.zeros((3,))}
+    grads = [random_grads_like(params, seed=t) for t in range(4)]
+    # Guard inside MultiSteps equals MultiSteps of the bare optimizer on finite steps.
+    inside = optax.MultiSteps(skip_nonfinite(optax.adam(1e-2)), 2)
+    bare = optax.MultiSteps(optax.adam(1e-2), 2)
+    i_step, b_step = jax.jit(inside.update), jax.jit(bare.update)
+    i_state, b_state = inside.init(params), bare.init(params)
+    for g in grads:
+        iu, i_state = i_step(g, i_state, params)
+        bu, b_state = b_step(g, b_state, params)
+        chex.assert_trees_all_close(iu, bu, rtol=0, atol=0)
+    # A NaN mini-step inside never reaches the output. (MultiSteps resets its accumulator
+    # by multiplying by 0, so the NaN stays in it: put the guard around MultiSteps.)
+    for g in (poison(grads[0], jnp.nan), *grads):
+        iu, i_state = i_step(g, i_state, params)
+        chex.assert_tree_all_finite(iu)
+
+    # Guard around MultiSteps: a NaN mini-step leaves the accumulator untouched, and
+    # loss= is forwarded through MultiSteps to a nested skip_spikes.
+    outside = skip_nonfinite(
+        optax.MultiSteps(skip_spikes(optax.adam(1e-2), watch=("loss",), warmup_steps=0), 2)
+    )
+    step = jax.jit(outside.update)
+    state = outside.init(params)
+    _, state = step(grads[0], state, params, loss=1.0)
+    before = state
+    u, state = step(poison(grads[1], jnp.nan), state, params, loss=1.0)
+    assert_exact_zeros(u)
+    assert_bitwise_equal(state.inner_state, before.inner_state)
+    u, state = step(grads[1], state, params, loss=1.0)  # emits the mean of grads[0], grads[1]
+    assert int(state.inner_state.inner_opt_state.spike_count) == 1
+    assert not bool(any_skipped(state))
+    assert any(np.any(np.asarray(x) != 0) for x in jax.tree.leaves(u))
+
+
+@pytest.mark.parametrize(
+    "make", [lambda: skip_nonfinite(optax.adam(1e-2)), lambda: skip_spikes(optax.adam(1e-2))]
+)
+def test_no_recompile(make):
+    opt = make()
+    params = {"w": jnp.ones((4, 3)), "b": jnp.zeros((3,))}
+
+    @jax.jit
+    @chex.assert_max_traces(n=1)
+    def step(grads, state, loss):
+        return opt.update(grads, state, params, loss=loss)
+
+    state = opt.init(params)
+    for t, loss in enumerate([1.0, np.nan, 1.1]):
+        _, state = step(random_grads_like(params, seed=t), state, jnp.float32(loss))
+    chex.clear_trace_counter()
+
+
+def test_sharded_equals_unsharded_and_one_global_decision():
+    mesh = mesh8()
+    params = {
+        "w": jax.random.normal(jax.random.key(0), (16, 8)),
+        "b": jax.random.normal(jax.random.key(1), (8,)),
+        "s": jnp.ones((3,)),  # not divisible by 8: replicated
+    }
+    opt = skip_nonfinite(skip_spikes(optax.adam(1e-2), warmup_steps=2))
+    step = jit_update(opt)
+    grads = [random_grads_like(params, seed=t) for t in range(4)]
+    nan = dict(grads[3], w=grads[3]["w"].at[15, 7].set(jnp.nan))  # lives on the last device
+    spike = dict(grads[3], w=grads[3]["w"].at[15, 7].set(1e4))  # a spike in one shard only
+    seq = [*grads[:3], nan, spike, grads[3]]
+    losses = [1.0, 1.1, 0.9, 1.0, 1.0, 1.0]
+
+    def run(p, gs):
+        state = opt.init(p)
+        outs = []
+        for g, loss in zip(gs, losses, strict=True):
+            u, state = step(g, state, p, loss=loss)
+            outs.append((u, state))
+        return outs
+
+    plain = run(params, seq)
+    sharded = run(shard_leading(params, mesh), [shard_leading(g, mesh) for g in seq])
+    assert "data" in str(sharded[0][0]["w"].sharding.spec)
+    for (pu, ps), (su, ss) in zip(plain, sharded, strict=True):
+        chex.assert_trees_all_close(su, pu, rtol=1e-6, atol=1e-7)
+        chex.assert_trees_all_close(ss, ps, rtol=1e-6, atol=1e-7)
+    flags = [(bool(s.nonfinite_skipped), bool(s.inner_state.spike_skipped)) for _, s in sharded]
+    assert flags == [(False, False)] * 3 + [(True, False), (False, True), (False, False)]
+    for i in (3, 4):  # every leaf, on every device, is zero; the inner state is kept
+        assert_exact_zeros(sharded[i][0])
+    assert_bitwise_equal(sharded[3][1].inner_state, sharded[2][1].inner_state)
+    assert_bitwise_equal(
+        sharded[4][1].inner_state.spike_inner_state, sharded[2][1].inner_state.spike_inner_state
+    )
+
+
+@pytest.mark.parametrize(
+    "kwargs, name",
+    [
+        ({"z_threshold": 0.0}, "z_threshold"),
+        ({"z_threshold": -1.0}, "z_threshold"),
+        ({"z_threshold": float("nan")}, "z_threshold"),
+        ({"ema_decay": 0.0}, "ema_decay"),
+        ({"ema_decay": 1.0}, "ema_decay"),
+        ({"ema_decay": -0.5}, "ema_decay"),
+        ({"ema_decay": 1.5}, "ema_decay"),
+        ({"warmup_steps": -1}, "warmup_steps"),
+        ({"warmup_steps": 2.5}, "warmup_steps"),
+        ({"watch": ()}, "watch"),
+        ({"watch": ("loss", "accuracy")}, "watch"),
+        ({"watch": ("loss", "loss")}, "watch"),
+        ({"watch": "loss"}, "watch"),
+    ],
+)
+def test_skip_spikes_bad_hyperparameters(kwargs, name):
+    with pytest.raises(ValueError, match=f"`{name}`"):
+        skip_spikes(optax.sgd(0.1), **kwargs)
+
+
+def test_skip_spikes_valid_edge_hyperparameters():
+    for kwargs in ({"warmup_steps": 0}, {"ema_decay": 0.5, "z_threshold": 0.1}):
+        opt = skip_spikes(optax.sgd(0.1), watch=("grad_norm",), **kwargs)
+        params = {"w": jnp.ones((2,))}
+        u, state = jit_update(opt)({"w": jnp.ones((2,))}, opt.init(params), params)
+        assert not bool(state.spike_skipped)  # first step: no statistics yet, only gathers
+        np.testing.assert_allclose(np.asarray(u["w"]), [-0.1, -0.1], rtol=1e-7)
