@@ -1,0 +1,462 @@
+"""Data iterators with a position, O(1) skipping and a JSON-able state.
+
+The rollback controller needs three things from the data: the index of the next batch
+(``index``), a way to move forward past bad batches (``skip``), and a state to
+checkpoint with the model. :class:`DataIterator` is that interface; its subclasses
+adapt what people train on:
+
+* :class:`IndexedBatches` — ``batch_fn(i)`` for i = 0, 1, …; skipping is free.
+* :class:`GrainDatasetIterator` — a Grain ``MapDataset`` (or batched ``IterDataset``)
+  iterator, moved with ``grain.experimental.set_next_index`` (O(1)).
+* :class:`GrainLoaderIterator` — a Grain ``DataLoader`` iterator, moved by rewriting
+  the ``last_seen_indices`` of its state (O(1)) when its operations are 1:1 maps and
+  one ``Batch``; otherwise it is drained, with a warning.
+* :class:`PlainIterator` — any Python iterator; skipping drains it (warned once).
+
+Every iterator also honours ``skipped_ranges``: half-open index ranges ``[a, b)`` it
+never yields. When the position reaches ``a`` it jumps to ``b`` before fetching, so a
+range recorded by a rollback is honoured after a restart too, even when the position
+passes through it later.
+"""
+
+from __future__ import annotations
+
+import bisect
+import json
+import warnings
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from typing import Any
+
+import grain
+
+
+def merge_ranges(ranges: Iterable[Sequence[int]]) -> list[tuple[int, int]]:
+    """Sorts half-open ``[a, b)`` ranges and merges overlapping or touching ones.
+
+    Args:
+      ranges: pairs ``(a, b)`` of ints with ``0 <= a``; empty ranges (``b <= a``) are
+        dropped.
+
+    Returns:
+      Disjoint, sorted, non-touching ranges as tuples.
+
+    Example:
+      >>> from stabljax.control.data import merge_ranges
+      >>> merge_ranges([(10, 20), (0, 3), (15, 30), (30, 31), (5, 5)])
+      [(0, 3), (10, 31)]
+    """
+    out: list[list[int]] = []
+    for a, b in sorted((int(a), int(b)) for a, b in ranges):
+        if a < 0:
+            raise ValueError(f"range start must be >= 0, got [{a}, {b})")
+        if b <= a:
+            continue
+        if out and a <= out[-1][1]:
+            out[-1][1] = max(out[-1][1], b)
+        else:
+            out.append([a, b])
+    return [(a, b) for a, b in out]
+
+
+def first_allowed(index: int, ranges: Sequence[tuple[int, int]]) -> int:
+    """The smallest index ``>= index`` outside the merged ``ranges``."""
+    k = bisect.bisect_right(ranges, (index, float("inf"))) - 1
+    if k >= 0 and ranges[k][0] <= index < ranges[k][1]:
+        return ranges[k][1]
+    return index
+
+
+class DataIterator(Iterator[Any]):
+    """An iterator of batches with a position, forward skipping and a JSON-able state.
+
+    Subclasses implement ``_fetch()`` (the batch at the current position) and
+    ``_advance(n)`` (move the underlying source ``n`` batches forward without
+    yielding). ``index`` is the index of the next batch to be yielded; it only grows.
+
+    Attributes:
+      skipped_ranges: merged half-open ranges never yielded (set by the controller).
+    """
+
+    def __init__(self, *, start: int = 0):
+        if start < 0:
+            raise ValueError(f"start must be >= 0, got {start}")
+        self._index = int(start)
+        self._ranges: list[tuple[int, int]] = []
+
+    @property
+    def index(self) -> int:
+        """The index of the next batch (before ``skipped_ranges`` are applied)."""
+        return self._index
+
+    @property
+    def skipped_ranges(self) -> list[tuple[int, int]]:
+        return list(self._ranges)
+
+    @skipped_ranges.setter
+    def skipped_ranges(self, ranges: Iterable[Sequence[int]]) -> None:
+        self._ranges = merge_ranges(ranges)
+
+    @property
+    def skip_is_cheap(self) -> bool:
+        """Whether :meth:`skip` is O(1) (False: it consumes the skipped batches)."""
+        return True
+
+    def skip(self, n: int) -> None:
+        """Moves ``n >= 0`` batches forward without yielding them."""
+        n = int(n)
+        if n < 0:
+            raise ValueError(f"can only skip forward, got n={n}")
+        if n:
+            self._advance(n)
+            self._index += n
+
+    def seek(self, index: int) -> None:
+        """Moves forward to ``index`` (``>= self.index``)."""
+        if index < self._index:
+            raise ValueError(f"cannot move back from batch {self._index} to {index}")
+        self.skip(index - self._index)
+
+    def __iter__(self) -> DataIterator:
+        return self
+
+    def __next__(self) -> Any:
+        if self._ranges:
+            self.seek(first_allowed(self._index, self._ranges))
+        batch = self._fetch()
+        self._index += 1
+        return batch
+
+    def get_state(self) -> dict[str, Any]:
+        """A JSON-able state: ``{"index": ...}`` plus what the source needs."""
+        return {"index": self._index}
+
+    def set_state(self, state: dict[str, Any]) -> None:
+        """Restores :meth:`get_state`'s output."""
+        self._set_index(int(state["index"]))
+
+    def _set_index(self, index: int) -> None:
+        raise NotImplementedError
+
+    def _fetch(self) -> Any:
+        raise NotImplementedError
+
+    def _advance(self, n: int) -> None:
+        raise NotImplementedError
+
+
+class IndexedBatches(DataIterator):
+    """Iterates ``batch_fn(i)`` for i = ``start``, ``start + 1``, …
+
+    The batch is a pure function of its index, so skipping and restoring are free and
+    exact: the iterator behind the ledger-honesty guarantee of the rollback controller.
+
+    Args:
+      batch_fn: a function of a non-negative int returning a batch (e.g.
+        :func:`stabljax.data.lm_batch_fn`).
+      start: the first index.
+
+    Example:
+      >>> from stabljax.control import IndexedBatches
+      >>> it = IndexedBatches(lambda i: i * 10)
+      >>> next(it), next(it)
+      (0, 10)
+      >>> it.skip(3)
+      >>> it.skipped_ranges = [(6, 8)]
+      >>> next(it), next(it), it.index
+      (50, 80, 9)
+      >>> state = it.get_state()
+      >>> state
+      {'index': 9}
+      >>> it2 = IndexedBatches(lambda i: i * 10)
+      >>> it2.set_state(state)
+      >>> next(it2)
+      90
+    """
+
+    def __init__(self, batch_fn: Callable[[int], Any], *, start: int = 0):
+        if not callable(batch_fn):
+            raise TypeError(f"batch_fn must be callable, got {type(batch_fn).__name__}")
+        super().__init__(start=start)
+        self.batch_fn = batch_fn
+
+    def _fetch(self) -> Any:
+        return self.batch_fn(self._index)
+
+    def _advance(self, n: int) -> None:
+        pass
+
+    def _set_index(self, index: int) -> None:
+        if index < 0:
+            raise ValueError(f"index must be >= 0, got {index}")
+        self._index = index
+
+    def __repr__(self) -> str:
+        return f"IndexedBatches(index={self._index}, skipped_ranges={self._ranges})"
+
+
+class PlainIterator(DataIterator):
+    """Wraps any Python iterator; skipping and restoring drain it (warned once).
+
+    A plain iterator cannot move without producing the batches it passes, and it cannot
+    go back: restoring a state at index ``k`` on a fresh iterator consumes ``k``
+    batches. Use :class:`IndexedBatches` or a Grain iterator to skip in O(1).
+
+    Args:
+      iterator: any iterable; ``iter()`` is called on it.
+      start: the index of its first batch.
+      warn: emit the "skipping drains" warning on construction.
+
+    Example:
+      >>> import warnings
+      >>> from stabljax.control.data import PlainIterator
+      >>> with warnings.catch_warnings():
+      ...     warnings.simplefilter("ignore")
+      ...     it = PlainIterator(iter(range(100)))
+      >>> it.skip(5)
+      >>> next(it), it.index
+      (5, 6)
+    """
+
+    def __init__(self, iterator: Iterable[Any], *, start: int = 0, warn: bool = True):
+        super().__init__(start=start)
+        self.source = iterator
+        self._it = iter(iterator)
+        if warn:
+            warnings.warn(
+                f"{type(iterator).__name__} is a plain iterator: skipping bad batches and "
+                "restoring the data position will consume (drain) every batch passed. Use "
+                "stabljax.control.IndexedBatches or a Grain iterator to skip in O(1).",
+                RuntimeWarning,
+                stacklevel=3,
+            )
+
+    @property
+    def skip_is_cheap(self) -> bool:
+        return False
+
+    def _fetch(self) -> Any:
+        return next(self._it)
+
+    def _advance(self, n: int) -> None:
+        for _ in range(n):
+            next(self._it)
+
+    def _set_index(self, index: int) -> None:
+        self.seek(index)
+
+
+class GrainDatasetIterator(DataIterator):
+    """Wraps a Grain ``DatasetIterator`` (from ``iter(MapDataset)`` and friends).
+
+    The position is Grain's own ``get_next_index`` (a batched ``MapDataset`` counts
+    batches), and skipping is ``grain.experimental.set_next_index``: O(1), nothing is
+    read. Iterators that cannot seek (filtered or packed ``IterDataset`` pipelines) are
+    drained instead, with a warning. The checkpointed state is Grain's, saved with
+    ``grain.checkpoint.CheckpointSave`` (one file per process).
+
+    Args:
+      iterator: a ``grain.DatasetIterator``.
+
+    Example:
+      >>> import grain
+      >>> from stabljax.control.data import GrainDatasetIterator
+      >>> it = GrainDatasetIterator(iter(grain.MapDataset.range(100).batch(4)))
+      >>> it.skip(10)
+      >>> next(it).tolist(), it.index
+      ([40, 41, 42, 43], 11)
+    """
+
+    def __init__(self, iterator: grain.DatasetIterator):
+        if not isinstance(iterator, grain.DatasetIterator):
+            raise TypeError(f"expected a grain.DatasetIterator, got {type(iterator).__name__}")
+        self.source = iterator
+        try:
+            start = int(grain.experimental.get_next_index(iterator))
+            self._seekable = True
+        except (NotImplementedError, ValueError):
+            start, self._seekable = 0, False
+        super().__init__(start=start)
+        if not self._seekable:
+            warnings.warn(
+                f"{iterator} cannot seek (filter/packing): skipping will drain it.",
+                RuntimeWarning,
+                stacklevel=2,
+            )
+
+    @property
+    def skip_is_cheap(self) -> bool:
+        return self._seekable
+
+    def _fetch(self) -> Any:
+        return next(self.source)
+
+    def _advance(self, n: int) -> None:
+        if self._seekable:
+            try:
+                grain.experimental.set_next_index(self.source, self._index + n)
+                return
+            except (NotImplementedError, ValueError):
+                self._seekable = False
+        for _ in range(n):
+            next(self.source)
+
+    def get_state(self) -> dict[str, Any]:
+        return {"index": self._index, "grain": self.source.get_state()}
+
+    def set_state(self, state: dict[str, Any]) -> None:
+        self.source.set_state(state["grain"])
+        self._index = int(state["index"])
+
+    def _set_index(self, index: int) -> None:
+        self._index = index
+
+    def __repr__(self) -> str:
+        return f"GrainDatasetIterator(index={self._index}, source={self.source})"
+
+
+def _loader_batch_size(loader: Any) -> int | None:
+    """The records per batch of a DataLoader whose ops are 1:1 maps and one Batch."""
+    ops = getattr(loader, "_operations", None)
+    if ops is None:
+        return None
+    one_to_one = tuple(
+        getattr(grain.transforms, n)
+        for n in ("Map", "RandomMap", "MapWithIndex", "TfRandomMap")
+        if hasattr(grain.transforms, n)
+    )
+    batch = None
+    for op in ops:
+        if isinstance(op, grain.transforms.Batch):
+            if batch is not None:
+                return None
+            batch = int(op.batch_size)
+        elif not isinstance(op, one_to_one):
+            return None
+    return batch if batch is not None else 1
+
+
+class GrainLoaderIterator(DataIterator):
+    """Wraps a Grain ``DataLoader`` iterator (``iter(grain.DataLoader(...))``).
+
+    Grain records a DataLoader's position as the last record index each worker has
+    seen (``last_seen_indices``, global across shards) and the worker that produced the
+    last batch. When the loader's operations are 1:1 transforms and one ``Batch`` of
+    size :math:`B` (no ``Filter`` or ``FlatMap``), skipping :math:`n` batches with
+    :math:`W` workers (1 when ``worker_count`` is 0) and :math:`S` shards is exact
+    state arithmetic: batches go round-robin over the workers, so worker :math:`w`
+    gets :math:`\\lfloor n/W \\rfloor` batches, plus one if it is among the next
+    :math:`n \\bmod W` in the cycle, and its last seen index moves by :math:`B W S`
+    per batch. Otherwise the iterator is drained, with a warning. The position
+    (``index``) counts batches yielded; Grain saves its own state per process.
+
+    Args:
+      iterator: a ``grain.DataLoaderIterator``.
+      loader: the ``grain.DataLoader`` it came from (read for the batch size); taken
+        from the iterator when omitted.
+      start: the index of the next batch (the number already consumed).
+
+    Example:
+      >>> import grain
+      >>> from stabljax.control.data import GrainLoaderIterator
+      >>> loader = grain.DataLoader(
+      ...     data_source=list(range(64)),
+      ...     sampler=grain.samplers.IndexSampler(64, num_epochs=1, shuffle=False),
+      ...     operations=[grain.transforms.Batch(4)],
+      ...     worker_count=0,
+      ... )
+      >>> it = GrainLoaderIterator(iter(loader))
+      >>> it.skip(3)
+      >>> next(it).tolist(), it.index
+      ([12, 13, 14, 15], 4)
+    """
+
+    def __init__(self, iterator: grain.DataLoaderIterator, *, loader: Any = None, start=0):
+        if not isinstance(iterator, grain.DataLoaderIterator):
+            raise TypeError(f"expected a grain.DataLoaderIterator, got {type(iterator).__name__}")
+        super().__init__(start=start)
+        self.source = iterator
+        loader = loader if loader is not None else getattr(iterator, "_data_loader", None)
+        self._batch = _loader_batch_size(loader) if loader is not None else None
+        shard = getattr(loader, "_shard_options", None)
+        self._shards = int(getattr(shard, "shard_count", 1) or 1)
+        if self._batch is None:
+            warnings.warn(
+                "this grain.DataLoader has operations that change the number of records "
+                "(Filter, FlatMap, several Batch): skipping will drain it.",
+                RuntimeWarning,
+                stacklevel=2,
+            )
+
+    @property
+    def skip_is_cheap(self) -> bool:
+        return self._batch is not None
+
+    def _fetch(self) -> Any:
+        return next(self.source)
+
+    def _advance(self, n: int) -> None:
+        if self._batch is None:
+            for _ in range(n):
+                next(self.source)
+            return
+        st = json.loads(self.source.get_state().decode())
+        workers = max(int(st["worker_count"]), 1)
+        cycle = (int(st["last_worker_index"]) + 1) % workers
+        for w in range(workers):
+            k = n // workers + (1 if (w - cycle) % workers < n % workers else 0)
+            st["last_seen_indices"][str(w)] += k * self._batch * workers * self._shards
+        st["last_worker_index"] = (cycle + n) % workers - 1
+        self.source.set_state(json.dumps(st, indent=4).encode())
+
+    def get_state(self) -> dict[str, Any]:
+        return {"index": self._index, "grain": self.source.get_state().decode()}
+
+    def set_state(self, state: dict[str, Any]) -> None:
+        self.source.set_state(state["grain"].encode())
+        self._index = int(state["index"])
+
+    def _set_index(self, index: int) -> None:
+        self._index = index
+
+    def __repr__(self) -> str:
+        return f"GrainLoaderIterator(index={self._index})"
+
+
+def as_data_iterator(data: Any) -> DataIterator:
+    """Adapts ``data`` to a :class:`DataIterator`.
+
+    A :class:`DataIterator` is returned as is; a Grain ``DatasetIterator`` or
+    ``DataLoaderIterator`` is wrapped in :class:`GrainDatasetIterator` /
+    :class:`GrainLoaderIterator`; a ``grain.MapDataset`` or ``grain.DataLoader``
+    (iterable, not an iterator) gets ``iter()`` first; any other iterable becomes a
+    :class:`PlainIterator`, with a warning that skipping drains it.
+
+    Args:
+      data: the training data.
+
+    Returns:
+      A :class:`DataIterator`.
+
+    Example:
+      >>> import grain
+      >>> from stabljax.control.data import as_data_iterator
+      >>> type(as_data_iterator(grain.MapDataset.range(8).batch(2))).__name__
+      'GrainDatasetIterator'
+    """
+    if isinstance(data, DataIterator):
+        return data
+    if isinstance(data, grain.DataLoader):
+        return GrainLoaderIterator(iter(data), loader=data)
+    if isinstance(data, grain.DataLoaderIterator):
+        return GrainLoaderIterator(data)
+    if isinstance(data, grain.MapDataset | grain.IterDataset):
+        return GrainDatasetIterator(iter(data))
+    if isinstance(data, grain.DatasetIterator):
+        return GrainDatasetIterator(data)
+    if callable(data) and not hasattr(data, "__iter__"):
+        raise TypeError(
+            "data is a function: wrap it as IndexedBatches(batch_fn) to train on batch_fn(i)"
+        )
+    if not hasattr(data, "__iter__"):
+        raise TypeError(f"data must be an iterable of batches, got {type(data).__name__}")
+    return PlainIterator(data)

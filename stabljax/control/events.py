@@ -1,0 +1,222 @@
+"""Typed event records and a crash-safe ``events.jsonl`` log.
+
+Every detection, rollback, data skip, save and restore of the
+:class:`~stabljax.control.controller.RollbackController` becomes an :class:`Event`: a
+``kind`` string, the training ``step`` it concerns, a wall-clock ``time`` and a
+JSON-able ``details`` dict. :class:`EventLog` keeps them in memory and appends each one
+to ``events.jsonl`` as a single ``write`` of one whole line, flushed and fsynced, so a
+crash (even SIGKILL) leaves at most a torn last line, which :func:`read_events` skips and
+the next append starts on a fresh line.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import time
+from collections.abc import Iterator, Mapping
+from typing import Any, Literal, get_args
+
+EventKind = Literal[
+    "save",
+    "restore",
+    "spike",
+    "divergence",
+    "slow_divergence",
+    "rollback",
+    "skip",
+    "corrupt_checkpoint",
+    "diverged",
+]
+"""The kinds of :class:`Event`.
+
+``save`` / ``restore``: a checkpoint written / read. ``spike``, ``divergence``,
+``slow_divergence``: a detector fired (``details["action"]`` says whether it was only
+recorded or caused a rollback). ``rollback``: the state went back to an earlier
+checkpoint. ``skip``: a data range was added to the skip ledger.
+``corrupt_checkpoint``: a checkpoint failed to restore or verify and was set aside.
+``diverged``: the controller gave up (:class:`~stabljax.control.controller.TrainingDiverged`).
+"""
+
+EVENT_KINDS: tuple[str, ...] = get_args(EventKind)
+
+
+def _jsonable(value: Any) -> Any:
+    """Plain JSON types only; non-finite floats become strings (JSON has no NaN)."""
+    if isinstance(value, Mapping):
+        return {str(k): _jsonable(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_jsonable(v) for v in value]
+    if isinstance(value, bool) or value is None or isinstance(value, str):
+        return value
+    if isinstance(value, int):
+        return int(value)
+    try:
+        f = float(value)
+    except (TypeError, ValueError):
+        return str(value)
+    if hasattr(value, "dtype") and "int" in str(value.dtype):
+        return int(value)
+    if hasattr(value, "dtype") and "bool" in str(value.dtype):
+        return bool(value)
+    return f if math.isfinite(f) else str(f)
+
+
+@dataclasses.dataclass(frozen=True)
+class Event:
+    """One thing the controller saw or did.
+
+    Attributes:
+      kind: one of :data:`EVENT_KINDS`.
+      step: the training step (``state.step``) it concerns.
+      time: seconds since the epoch when it was recorded.
+      details: JSON-able details (losses, ranges, checkpoint steps, reasons).
+
+    Example:
+      >>> from stabljax.control.events import Event
+      >>> e = Event("save", 100, time=0.0, details={"data_index": 100})
+      >>> print(e.to_json())
+      {"kind": "save", "step": 100, "time": 0.0, "details": {"data_index": 100}}
+      >>> Event.from_json(e.to_json()) == e
+      True
+    """
+
+    kind: EventKind
+    step: int
+    time: float = dataclasses.field(default_factory=time.time)
+    details: dict[str, Any] = dataclasses.field(default_factory=dict)
+
+    def __post_init__(self):
+        if self.kind not in EVENT_KINDS:
+            raise ValueError(f"kind must be one of {EVENT_KINDS}, got {self.kind!r}")
+        object.__setattr__(self, "step", int(self.step))
+        object.__setattr__(self, "time", float(self.time))
+        object.__setattr__(self, "details", _jsonable(dict(self.details)))
+
+    def to_dict(self) -> dict[str, Any]:
+        """Returns the record as a JSON-able dict."""
+        return {"kind": self.kind, "step": self.step, "time": self.time, "details": self.details}
+
+    def to_json(self) -> str:
+        """Returns the record as one line of JSON (no newline)."""
+        return json.dumps(self.to_dict(), allow_nan=False)
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> Event:
+        """Builds an event from :meth:`to_dict`'s output."""
+        return cls(d["kind"], d["step"], time=d["time"], details=dict(d.get("details", {})))
+
+    @classmethod
+    def from_json(cls, line: str) -> Event:
+        """Builds an event from :meth:`to_json`'s output."""
+        return cls.from_dict(json.loads(line))
+
+
+def append_line(path: str | os.PathLike, line: str) -> None:
+    """Appends ``line`` and a newline to ``path`` as one write, then flushes and fsyncs.
+
+    If the file does not end with a newline (a torn line from a crash), a newline is
+    written first so the new record starts on its own line.
+
+    Args:
+      path: the file (created if missing).
+      line: one line of text without a newline.
+    """
+    if "\n" in line:
+        raise ValueError("line must not contain a newline")
+    data = (line + "\n").encode()
+    fd = os.open(os.fspath(path), os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    try:
+        size = os.fstat(fd).st_size
+        if size:
+            with open(os.fspath(path), "rb") as f:
+                f.seek(size - 1)
+                if f.read(1) != b"\n":
+                    data = b"\n" + data
+        os.write(fd, data)
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def read_events(path: str | os.PathLike) -> list[Event]:
+    """Reads ``events.jsonl``, skipping torn or unparseable lines.
+
+    Args:
+      path: the file; a missing file gives an empty list.
+
+    Returns:
+      The events in file order.
+
+    Example:
+      >>> import os, tempfile
+      >>> from stabljax.control.events import Event, EventLog, read_events
+      >>> path = os.path.join(tempfile.mkdtemp(), "events.jsonl")
+      >>> log = EventLog(path)
+      >>> log.append(Event("spike", 7, details={"loss": 9.5}))
+      >>> with open(path, "a") as f:
+      ...     _ = f.write('{"kind": "sa')  # a torn line, as a crash leaves it
+      >>> log.append(Event("rollback", 8))
+      >>> [(e.kind, e.step) for e in read_events(path)]
+      [('spike', 7), ('rollback', 8)]
+    """
+    if not os.path.exists(path):
+        return []
+    out = []
+    with open(path, encoding="utf-8", errors="replace") as f:
+        for line in f:
+            line = line.strip()
+            if not line:
+                continue
+            try:
+                out.append(Event.from_json(line))
+            except (ValueError, KeyError, TypeError):
+                continue
+    return out
+
+
+class EventLog:
+    """Events in memory, each also appended to a JSON-lines file.
+
+    Args:
+      path: the ``events.jsonl`` file, or ``None`` to keep events in memory only.
+      write: whether this process writes the file (on several hosts only the primary
+        host does; every host keeps the same events in memory).
+
+    Example:
+      >>> from stabljax.control.events import Event, EventLog
+      >>> log = EventLog(None)
+      >>> log.append(Event("save", 10))
+      >>> log.append(Event("spike", 12))
+      >>> len(log), log.count("spike"), log[-1].step
+      (2, 1, 12)
+    """
+
+    def __init__(self, path: str | os.PathLike | None, *, write: bool = True):
+        self.path = None if path is None else os.fspath(path)
+        self.write = write
+        self._events: list[Event] = []
+
+    def append(self, event: Event) -> None:
+        """Records ``event`` (and appends it to the file)."""
+        self._events.append(event)
+        if self.path is not None and self.write:
+            append_line(self.path, event.to_json())
+
+    def count(self, kind: str) -> int:
+        """The number of events of ``kind`` recorded so far."""
+        return sum(e.kind == kind for e in self._events)
+
+    def __len__(self) -> int:
+        return len(self._events)
+
+    def __iter__(self) -> Iterator[Event]:
+        return iter(self._events)
+
+    def __getitem__(self, i):
+        return self._events[i]
+
+    def __repr__(self) -> str:
+        return f"EventLog(path={self.path!r}, events={len(self._events)})"

@@ -1,0 +1,216 @@
+"""A small training job for the controller tests, importable and runnable as a script.
+
+Imported, it gives the toy problem (a linear regression trained with SGD, batches a pure
+function of their index, some indices poisoned). Run as a script it trains it under a
+RollbackController, so tests can SIGKILL it and restart it, or run it as two real JAX
+processes (``--process-id``, gloo collectives, 2 CPU devices each).
+
+    python tests/ctl_worker.py --dir D --steps 120 --bad 35,36,80 --out final.npz
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import sys
+from typing import Any
+
+import numpy as np
+
+W_TRUE = np.array([[1.0], [-2.0], [0.5], [3.0]], np.float32)
+ROWS = 16
+
+
+def batch_fn_factory(bad=(), nan=(), *, seed: int = 0, drift_from: int | None = None):
+    """Batches of a noisy linear problem; ``bad`` indices get targets +50, ``nan`` NaN.
+
+    With ``drift_from``, targets drift up slowly from that index on (a slow divergence).
+    """
+    bad, nan = frozenset(bad), frozenset(nan)
+
+    def batch_fn(i: int) -> dict[str, np.ndarray]:
+        rng = np.random.default_rng([seed, i])
+        x = rng.normal(size=(ROWS, 4)).astype(np.float32)
+        y = x @ W_TRUE + 0.1 * rng.normal(size=(ROWS, 1)).astype(np.float32)
+        if i in bad:
+            y = y + 50.0
+        if i in nan:
+            y = y * np.nan
+        if drift_from is not None and i >= drift_from:
+            y = y + rng.normal(size=(ROWS, 1)).astype(np.float32) * 0.02 * (i - drift_from)
+        return {"x": x, "y": y.astype(np.float32)}
+
+    return batch_fn
+
+
+def make_toy(optimizer=None, *, extra: int = 0):
+    """Returns ``(init_state, train_step)``; ``extra`` floats of ballast make saves slow."""
+    import flax.struct
+    import jax
+    import jax.numpy as jnp
+    import optax
+
+    from stabljax.optim.guards import any_skipped, skip_streak
+
+    opt = optax.with_extra_args_support(optimizer or optax.sgd(0.05))
+
+    @flax.struct.dataclass
+    class ToyState:
+        step: jax.Array
+        params: Any
+        opt_state: Any
+        ballast: Any
+
+    def loss_fn(params, batch):
+        pred = batch["x"] @ params["w"] + params["b"]
+        return jnp.mean((pred - batch["y"]) ** 2)
+
+    @jax.jit
+    def train_step(state, batch):
+        loss, grads = jax.value_and_grad(loss_fn)(state.params, batch)
+        updates, opt_state = opt.update(grads, state.opt_state, state.params, loss=loss)
+        params = optax.apply_updates(state.params, updates)
+        metrics = {
+            "loss": loss,
+            "skipped": any_skipped(opt_state),
+            "skip_streak": skip_streak(opt_state),
+        }
+        return ToyState(state.step + 1, params, opt_state, state.ballast), metrics
+
+    params = {"w": jnp.zeros((4, 1), jnp.float32), "b": jnp.zeros((1,), jnp.float32)}
+    state = ToyState(
+        step=jnp.zeros([], jnp.int32),
+        params=params,
+        opt_state=opt.init(params),
+        ballast=jnp.arange(extra, dtype=jnp.float32) if extra else None,
+    )
+    return state, train_step
+
+
+def toy_detectors():
+    from stabljax.control import DivergenceDetector, SpikeDetector
+
+    return [SpikeDetector(warmup=10, patience=5), DivergenceDetector(max_skip_streak=4)]
+
+
+def _ints(s: str) -> list[int]:
+    return [int(v) for v in s.split(",") if v]
+
+
+def _train(args) -> int:
+    import jax
+
+    from stabljax.control import IndexedBatches, RollbackController
+
+    state, train_step = make_toy(extra=args.extra)
+    ctl = RollbackController(
+        args.dir,
+        save_every=args.save_every,
+        keep=3,
+        rollback_margin=10,
+        detectors=toy_detectors(),
+        max_rollbacks=20,
+        async_save=not args.sync,
+    )
+    batch_fn = batch_fn_factory(_ints(args.bad))
+    state, data = ctl.restore_or_init(state, IndexedBatches(batch_fn))
+    while ctl.current_step < args.steps:
+        state, metrics = train_step(state, next(data))
+        state, data = ctl.step(state, metrics, data)
+        if args.kill_at_save and ctl.events.count("save") >= args.kill_at_save:
+            os.kill(os.getpid(), signal.SIGKILL)  # a save is in flight
+        if ctl.current_step >= args.steps:
+            state, data = ctl.finish(state, data)
+    ctl.close()
+    host = jax.device_get(state.params)
+    np.savez(args.out, w=host["w"], b=host["b"], step=int(state.step))
+    with open(args.out + ".json", "w") as f:
+        json.dump({"ranges": ctl.skipped_ranges, "index": data.index}, f)
+    return 0
+
+
+def _multi(args) -> int:
+    import jax
+
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    jax.distributed.initialize(
+        coordinator_address=f"127.0.0.1:{args.port}",
+        num_processes=2,
+        process_id=args.process_id,
+    )
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+    from stabljax.control import IndexedBatches, RollbackController
+
+    assert jax.device_count() == 4 and jax.local_device_count() == 2, jax.devices()
+    mesh = Mesh(np.array(jax.devices()), ("data",))
+    replicated = NamedSharding(mesh, PartitionSpec())
+    rows = NamedSharding(mesh, PartitionSpec("data"))
+    state, train_step = make_toy()
+
+    def put(x):
+        x = np.asarray(x)
+        return jax.make_array_from_callback(x.shape, replicated, lambda idx: x[idx])
+
+    state = jax.tree.map(put, jax.device_get(state))
+    poisoned = set(_ints(args.bad))
+    clean = batch_fn_factory()
+    me = jax.process_index()
+
+    def local_batch(i: int):
+        # Each process holds half of the global batch; only process 1's half is poisoned.
+        b = clean(i)
+        half = {k: v[me * ROWS // 2 : (me + 1) * ROWS // 2] for k, v in b.items()}
+        if me == 1 and i in poisoned:
+            half["y"] = half["y"] + 50.0
+        return half
+
+    def global_batch(local):
+        return {k: jax.make_array_from_process_local_data(rows, v) for k, v in local.items()}
+
+    ctl = RollbackController(
+        args.dir, save_every=10, keep=3, rollback_margin=10, detectors=toy_detectors()
+    )
+    state, data = ctl.restore_or_init(state, IndexedBatches(local_batch))
+    state, data = ctl.run(
+        lambda s, b: train_step(s, global_batch(b)), state, data, args.steps, progress=False
+    )
+    ctl.close()
+    params = jax.tree.map(lambda x: np.asarray(x.addressable_data(0)), state.params)
+    np.savez(
+        args.out, w=params["w"], b=params["b"], step=int(np.asarray(state.step.addressable_data(0)))
+    )
+    rollbacks = [
+        {"step": e.step, "restored": e.details["restored_step"]}
+        for e in ctl.events
+        if e.kind == "rollback"
+    ]
+    with open(args.out + ".json", "w") as f:
+        json.dump({"ranges": ctl.skipped_ranges, "index": data.index, "rollbacks": rollbacks}, f)
+    jax.distributed.shutdown()
+    return 0
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__)
+    p.add_argument("--dir", required=True)
+    p.add_argument("--steps", type=int, default=120)
+    p.add_argument("--bad", default="")
+    p.add_argument("--out", required=True)
+    p.add_argument("--save-every", type=int, default=10)
+    p.add_argument("--extra", type=int, default=0, help="ballast floats (slower saves)")
+    p.add_argument("--sync", action="store_true", help="synchronous saves")
+    p.add_argument("--kill-at-save", type=int, default=0, help="SIGKILL self after N saves")
+    p.add_argument("--process-id", type=int, default=None)
+    p.add_argument("--port", type=int, default=0)
+    args = p.parse_args(argv)
+    if args.process_id is not None:
+        return _multi(args)
+    return _train(args)
+
+
+if __name__ == "__main__":
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    sys.exit(main())
