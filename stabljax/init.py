@@ -978,8 +978,9 @@ def check_init(
       >>> from flax import nnx
       >>> from stabljax import nn
       >>> from stabljax.init import check_init
+      >>> from stabljax.step import nnx_apply
       >>> model = nn.TransformerLM(nn.TransformerConfig(d_model=32, n_layers=2), rngs=nnx.Rngs(0))
-      >>> apply_fn, params = nn.to_apply_fn(model, return_aux=True)
+      >>> apply_fn, params = nnx_apply(model, return_aux=True)
       >>> tokens = jax.random.randint(jax.random.key(1), (4, 33), 0, 256)
       >>> batch = {"inputs": tokens[:, :-1], "targets": tokens[:, 1:]}
       >>> report = check_init(apply_fn, params, batch)

@@ -21,7 +21,7 @@ drawn slice by slice into the fused kernel). Biases start at 0, norm scales at 1
   of the first block and after each block.
 
 That ``(logits, aux)`` pair is the contract :func:`stabljax.init.check_init` reads;
-:func:`to_apply_fn` turns a model into the ``apply_fn(params, inputs)`` it takes.
+:func:`stabljax.step.nnx_apply` turns a model into the ``apply_fn(params, inputs)`` it takes.
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ from flax import nnx
 
 from stabljax.init import ArchSpec, InitPlan, init_plan
 
-__all__ = ("TransformerConfig", "TransformerLM", "to_apply_fn")
+__all__ = ("TransformerConfig", "TransformerLM")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -344,51 +344,3 @@ class TransformerLM(nnx.Module):
         if self.unembed is not None:
             out["unembed"] = self.unembed[...]
         return out
-
-
-def to_apply_fn(model: nnx.Module, *, return_aux: bool = False):
-    """Splits an NNX model into a pure ``apply_fn(params, tokens)`` and its params.
-
-    The split/merge pattern of flax's performance guide: ``params`` is an ``nnx.State`` of
-    the model's ``nnx.Param`` s (a pytree to differentiate, shard and donate), and
-    ``apply_fn`` merges it back inside whatever ``jax.jit`` calls it. ``nnx.update(model,
-    params)`` writes trained params back into the model.
-
-    Args:
-      model: a :class:`TransformerLM` (or any NNX module called as ``model(tokens)``).
-      return_aux: call ``model(tokens, return_aux=True)``, as
-        :func:`stabljax.init.check_init` wants.
-
-    Returns:
-      ``(apply_fn, params)``.
-
-    Example:
-      >>> import jax, jax.numpy as jnp
-      >>> from flax import nnx
-      >>> from stabljax.nn import TransformerConfig, TransformerLM, to_apply_fn
-      >>> model = TransformerLM(TransformerConfig(d_model=32, n_layers=1), rngs=nnx.Rngs(0))
-      >>> apply_fn, params = to_apply_fn(model)
-      >>> print(jax.jit(apply_fn)(params, jnp.zeros((1, 4), jnp.int32)).shape)
-      (1, 4, 256)
-    """
-    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
-    if not jax.tree.leaves(rest):
-        # Hashable by value: two models of one architecture share jit caches keyed on it
-        # (check_init compiles once for several inits of the same model).
-        return _MergeApply(graphdef, return_aux), params
-
-    def apply_fn(p, tokens):
-        m = nnx.merge(graphdef, p, rest)
-        return m(tokens, return_aux=True) if return_aux else m(tokens)
-
-    return apply_fn, params
-
-
-@dataclasses.dataclass(frozen=True)
-class _MergeApply:
-    graphdef: Any
-    return_aux: bool
-
-    def __call__(self, params, tokens):
-        m = nnx.merge(self.graphdef, params)
-        return m(tokens, return_aux=True) if self.return_aux else m(tokens)

@@ -47,7 +47,10 @@ def random_grads_like(params, seed: int, scale: float = 1.0):
     """Random gradients with the structure and dtypes of ``params`` (None kept)."""
     leaves, treedef = jax.tree.flatten(params)
     keys = jax.random.split(jax.random.key(seed), max(len(leaves), 1))
-    out = [scale * jax.random.normal(k, x.shape, jnp.float32).astype(x.dtype) for k, x in zip(keys, leaves)]
+    out = [
+        scale * jax.random.normal(k, x.shape, jnp.float32).astype(x.dtype)
+        for k, x in zip(keys[: len(leaves)], leaves, strict=True)
+    ]
     return jax.tree.unflatten(treedef, out)
 
 
@@ -76,7 +79,9 @@ def rosenbrock_problem():
     return initial, loss, final
 
 
-def run_optimizer(opt: optax.GradientTransformation, params, loss_fn, steps: int, *, pass_loss=False):
+def run_optimizer(
+    opt: optax.GradientTransformation, params, loss_fn, steps: int, *, pass_loss=False
+):
     """Runs ``steps`` jitted updates of ``opt`` on ``loss_fn``; returns final params."""
 
     @jax.jit

@@ -11,6 +11,7 @@ from flax import nnx
 
 from stabljax import init, nn
 from stabljax.init import ArchSpec, check_init, init_plan
+from stabljax.step import nnx_apply
 
 SPEC = ArchSpec(d_model=64, n_layers=8, n_heads=4, d_ff=256, vocab_size=256)
 POST = ArchSpec(d_model=64, n_layers=8, n_heads=4, d_ff=256, vocab_size=256, norm_placement="post")
@@ -204,7 +205,7 @@ def deep_reports():
         # plan= (not init_scheme=) keeps one architecture, so check_init compiles once.
         plan = init_plan(DEEP.arch_spec(), scheme)
         model = nn.TransformerLM(DEEP, rngs=nnx.Rngs(0), plan=plan)
-        apply_fn, params = nn.to_apply_fn(model, return_aux=True)
+        apply_fn, params = nnx_apply(model, return_aux=True)
         reports[scheme] = check_init(apply_fn, params, batch)
     return reports
 

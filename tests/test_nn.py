@@ -13,6 +13,7 @@ from flax import nnx
 
 from stabljax import nn
 from stabljax.init import init_plan, truncated_std_factor
+from stabljax.step import nnx_apply
 
 V, T, B = 64, 12, 2
 
@@ -56,7 +57,7 @@ def _build(config, seed=0, **kw):
 
 
 def _run(model, tokens):
-    apply_fn, params = nn.to_apply_fn(model, return_aux=True)
+    apply_fn, params = nnx_apply(model, return_aux=True)
     return _forward(apply_fn, params, tokens)
 
 
@@ -192,9 +193,9 @@ def test_split_merge_jit_round_trip_and_no_retrace():
     cfg = CONFIGS["default"]
     model = _build(cfg)
     tokens = _tokens()
-    apply_fn, params = nn.to_apply_fn(model, return_aux=True)
+    apply_fn, params = nnx_apply(model, return_aux=True)
     merged = nnx.merge(*nnx.split(model))
-    apply2, params2 = nn.to_apply_fn(merged, return_aux=True)
+    apply2, params2 = nnx_apply(merged, return_aux=True)
     chex.assert_trees_all_equal(params, params2)
     assert apply_fn == apply2  # hashable by architecture: jit caches are shared
 
@@ -214,7 +215,7 @@ def test_split_merge_jit_round_trip_and_no_retrace():
 
 def test_gradients_flow_to_every_parameter():
     model = _build(CONFIGS["options"])
-    apply_fn, params = nn.to_apply_fn(model)
+    apply_fn, params = nnx_apply(model)
     tokens = _tokens()
 
     def loss(p):

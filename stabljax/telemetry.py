@@ -1,0 +1,241 @@
+"""Device-side training telemetry: global and per-layer norms, Adam-epsilon diagnostics.
+
+The in-graph functions (:func:`global_norm`, :func:`layer_metrics`) return
+``jax.Array`` scalars and never sync with the host, so the train step can return them
+as metrics. The host helpers (:func:`layer_metrics_to_host`, :func:`adam_eps_report`)
+fetch once and return plain ``{path: float}`` dicts for a logger.
+
+Parameter paths are the pytree key paths of the parameters joined with ``/``
+(``"blocks/0/kernel"``); the trailing ``.value`` of a Flax NNX ``Variable`` is dropped
+so an ``nnx.State`` gives the module path (``"linear/kernel"``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.typing import ArrayLike
+
+__all__ = (
+    "adam_eps_report",
+    "global_norm",
+    "layer_metrics",
+    "layer_metrics_to_host",
+    "path_str",
+)
+
+_ADAM_FIELDS = (("mu", "nu", "count"), ("safe_adam_mu", "safe_adam_nu", "safe_adam_count"))
+
+
+def path_str(path: tuple[Any, ...]) -> str:
+    """Joins a pytree key path with ``/`` (``"dense/w"``, ``"blocks/0"``).
+
+    Example:
+      >>> import jax
+      >>> from stabljax.telemetry import path_str
+      >>> tree = {"dense": {"w": 1.0}, "blocks": [2.0]}
+      >>> [path_str(p) for p, _ in jax.tree_util.tree_flatten_with_path(tree)[0]]
+      ['blocks/0', 'dense/w']
+    """
+    parts = []
+    for k in path:
+        if isinstance(k, jax.tree_util.DictKey):
+            parts.append(str(k.key))
+        elif isinstance(k, jax.tree_util.SequenceKey):
+            parts.append(str(k.idx))
+        elif isinstance(k, jax.tree_util.GetAttrKey):
+            parts.append(k.name)
+        elif isinstance(k, jax.tree_util.FlattenedIndexKey):
+            parts.append(str(k.key))
+        else:  # optax's NamedTupleKey and any other key entry
+            parts.append(str(getattr(k, "name", k)))
+    if path and isinstance(path[-1], jax.tree_util.GetAttrKey) and path[-1].name == "value":
+        parts.pop()  # an nnx.Variable's payload: name the variable, not its field
+    return "/".join(parts)
+
+
+def _sq_norm(x: ArrayLike) -> jax.Array:
+    return jnp.sum(jnp.square(jnp.asarray(x).astype(jnp.float32)))
+
+
+def global_norm(tree: Any) -> jax.Array:
+    r"""The float32 L2 norm of all leaves of ``tree`` together, :math:`\sqrt{\sum x^2}`.
+
+    Leaves are upcast to float32 before squaring, so a bf16 or fp16 tree neither
+    overflows nor loses the small terms. ``None`` leaves are ignored; an empty tree
+    has norm 0.
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> from stabljax.telemetry import global_norm
+      >>> print(float(global_norm({"a": jnp.array([3.0]), "b": jnp.array([4.0], jnp.bfloat16)})))
+      5.0
+    """
+    leaves = jax.tree.leaves(tree)
+    if not leaves:
+        return jnp.zeros([], jnp.float32)
+    return jnp.sqrt(sum(_sq_norm(x) for x in leaves))
+
+
+def _ratio(num: jax.Array, den: jax.Array) -> jax.Array:
+    safe = jnp.where(den > 0, den, 1.0)
+    return jnp.where(den > 0, num / safe, jnp.where(num > 0, jnp.inf, 0.0))
+
+
+def layer_metrics(grads: Any, params: Any, updates: Any) -> dict[str, dict[str, jax.Array]]:
+    r"""Per-parameter-path norms of one step, as device scalars.
+
+    For each parameter leaf :math:`p` with gradient :math:`g` and applied update
+    :math:`u`: ``grad_norm`` :math:`\|g\|`, ``param_norm`` :math:`\|p\|`,
+    ``update_ratio`` :math:`\|u\| / \|p\|` (0 when both are 0, Inf when only
+    :math:`\|p\|` is, e.g. a zero-initialised bias on its first update) and
+    ``nonfinite_grad`` (true when :math:`g` holds a NaN or Inf). All float32 but the
+    flag, which is a bool.
+
+    Args:
+      grads: gradients, with the structure of ``params``.
+      params: the parameters the gradients were taken at.
+      updates: the updates applied to them (zeros on a skipped step).
+
+    Returns:
+      ``{metric: {path: scalar}}`` with the metrics named above and the paths of
+      :func:`path_str`.
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> from stabljax.telemetry import layer_metrics
+      >>> params = {"w": jnp.array([3.0, 4.0])}
+      >>> m = layer_metrics({"w": jnp.array([0.0, jnp.nan])}, params, {"w": jnp.array([0.5, 0.0])})
+      >>> print(m["param_norm"]["w"], m["update_ratio"]["w"], m["nonfinite_grad"]["w"])
+      5.0 0.1 True
+    """
+    flat, treedef = jax.tree_util.tree_flatten_with_path(params)
+    g_leaves = treedef.flatten_up_to(grads)
+    u_leaves = treedef.flatten_up_to(updates)
+    out: dict[str, dict[str, jax.Array]] = {
+        "grad_norm": {},
+        "param_norm": {},
+        "update_ratio": {},
+        "nonfinite_grad": {},
+    }
+    for (path, p), g, u in zip(flat, g_leaves, u_leaves, strict=True):
+        key = path_str(path)
+        p_norm = jnp.sqrt(_sq_norm(p))
+        g = jnp.asarray(g)
+        out["grad_norm"][key] = jnp.sqrt(_sq_norm(g))
+        out["param_norm"][key] = p_norm
+        out["update_ratio"][key] = _ratio(jnp.sqrt(_sq_norm(u)), p_norm)
+        out["nonfinite_grad"][key] = jnp.logical_not(jnp.all(jnp.isfinite(g)))
+    return out
+
+
+def layer_metrics_to_host(metrics: Mapping[str, Any]) -> dict[str, float]:
+    """Fetches per-layer metrics to the host as a flat ``{"metric/path": float}`` dict.
+
+    Host-side: one ``jax.device_get`` for the whole dict. Call it on the metrics of a
+    step that has already finished (e.g. one step late) so the device is not idle.
+
+    Args:
+      metrics: the metrics of a step made with ``layer_metrics=True`` (its ``layers``
+        entry is used), or the output of :func:`layer_metrics` itself.
+
+    Returns:
+      ``{f"{metric}/{path}": float}``, e.g. ``"grad_norm/dense/w"``; flags become
+      1.0 (non-finite gradient) or 0.0.
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> from stabljax.telemetry import layer_metrics, layer_metrics_to_host
+      >>> p = {"w": jnp.array([3.0, 4.0])}
+      >>> layer_metrics_to_host(layer_metrics(p, p, p))
+      {'grad_norm/w': 5.0, 'nonfinite_grad/w': 0.0, 'param_norm/w': 5.0, 'update_ratio/w': 1.0}
+    """
+    layers = metrics["layers"] if "layers" in metrics else metrics
+    host = jax.device_get(dict(layers))
+    out = {}
+    for metric, per_path in host.items():
+        for path, value in per_path.items():
+            out[f"{metric}/{path}" if path else metric] = float(np.asarray(value))
+    return out
+
+
+def _adam_fields(x: Any) -> tuple[str, str, str] | None:
+    fields = getattr(type(x), "_fields", None)
+    if not isinstance(x, tuple) or fields is None:
+        return None
+    for names in _ADAM_FIELDS:
+        if all(n in fields for n in names):
+            return names
+    return None
+
+
+def adam_eps_report(opt_state: Any, eps: float, *, b2: float = 0.999) -> dict[str, float]:
+    r"""Per parameter path, the fraction of coordinates whose :math:`\sqrt{\hat v}` is below eps.
+
+    Molybog et al.'s diagnostic: where :math:`\sqrt{\hat v} < \epsilon` the epsilon,
+    not the gradient statistics, sets the size of Adam's update
+    :math:`\hat m / (\sqrt{\hat v} + \epsilon)`. They find that at scale the gradients
+    of shallow layers shrink toward eps, and that this precedes loss spikes. With
+    :math:`t` the Adam step count, :math:`\hat v = \nu / (1 - \beta_2^t)` (and
+    :math:`\hat v = \nu = 0` before the first update).
+
+    Every Adam state anywhere in ``opt_state`` is found (inside ``optax.chain``,
+    ``inject_hyperparams``, ``multi_transform``, stabljax guards): optax's
+    ``ScaleByAdamState`` (fields ``mu``, ``nu``, ``count``) and stabljax's
+    ``ScaleBySafeAdamState`` (``safe_adam_mu``, ``safe_adam_nu``,
+    ``safe_adam_count``). Host-side: it fetches the result.
+
+    Args:
+      opt_state: an optimizer state.
+      eps: the threshold, usually the optimizer's own eps.
+      b2: the :math:`\beta_2` of the optimizer, for the bias correction (the state
+        does not record it; pass the one you built the optimizer with).
+
+    Returns:
+      ``{path: fraction}`` with the parameter paths of
+      :func:`~stabljax.telemetry.path_str`. When several Adam states cover the same
+      path, each key is prefixed with the state's own path and ``":"``. Empty when
+      there is no Adam state.
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> import optax
+      >>> from stabljax.telemetry import adam_eps_report
+      >>> params = {"w": jnp.zeros(4)}
+      >>> opt = optax.adam(1e-3, b2=0.5)
+      >>> state = opt.init(params)
+      >>> _, state = opt.update({"w": jnp.array([0.0, 0.0, 1.0, 1.0])}, state)
+      >>> adam_eps_report(state, 1e-8, b2=0.5)
+      {'w': 0.5}
+
+    References:
+      Molybog et al., `A Theory on Adam Instability in Large-Scale Machine Learning
+      <https://arxiv.org/abs/2304.09871>`_, 2023
+    """
+    if not 0.0 <= b2 < 1.0:
+        raise ValueError(f"b2 must be in [0, 1), got {b2}")
+    found = jax.tree_util.tree_flatten_with_path(
+        opt_state, is_leaf=lambda x: _adam_fields(x) is not None
+    )[0]
+    entries: list[tuple[str, str, jax.Array]] = []
+    for state_path, state in found:
+        names = _adam_fields(state)
+        if names is None:
+            continue
+        _, nu_name, count_name = names
+        count = jnp.asarray(getattr(state, count_name)).astype(jnp.float32)
+        correction = jnp.where(count > 0, 1.0 - jnp.power(jnp.float32(b2), count), 1.0)
+        for path, nu in jax.tree_util.tree_flatten_with_path(getattr(state, nu_name))[0]:
+            v_hat = jnp.asarray(nu).astype(jnp.float32) / correction
+            frac = jnp.mean(jnp.sqrt(v_hat) < eps)
+            entries.append((path_str(state_path), path_str(path), frac))
+    params_seen = [p for _, p, _ in entries]
+    clash = len(set(params_seen)) != len(params_seen)
+    values = jax.device_get([f for _, _, f in entries])
+    return {
+        (f"{s}:{p}" if clash else p): float(v) for (s, p, _), v in zip(entries, values, strict=True)
+    }

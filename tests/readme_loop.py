@@ -1,0 +1,22 @@
+from flax import nnx
+
+import stabljax
+
+config = stabljax.TransformerConfig(vocab_size=256, d_model=64, n_layers=1, n_heads=4, max_len=64)
+model = stabljax.TransformerLM(config, rngs=nnx.Rngs(0))
+apply_fn, params = stabljax.nnx_apply(model)  # a pure function + the nnx.State of the params
+optimizer = stabljax.skip_nonfinite(
+    stabljax.skip_spikes(stabljax.safe_adamw(learning_rate=3e-3, b2=0.95))
+)
+precision = stabljax.Precision.bf16()  # float32 master weights, bf16 compute, float32 loss
+train_step = stabljax.make_train_step(apply_fn, optimizer, z_loss=1e-4, precision=precision)
+state = stabljax.TrainState.create(params, optimizer, precision)
+batches = stabljax.lm_batch_fn(stabljax.default_corpus(1_000_000), batch_size=8, seq_len=32)
+
+history = []
+for i in range(40):
+    state, metrics = train_step(state, batches(i))  # one jitted call, no host sync
+    history.append(metrics)  # device scalars: read them late, e.g. when logging
+    if i % 10 == 9:
+        print(f"step {i + 1}: loss {float(metrics['loss']):.3f} skipped {bool(metrics['skipped'])}")
+model = stabljax.nnx_merge(model, state.params)  # the trained nnx.Module
