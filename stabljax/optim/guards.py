@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import weakref
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
@@ -83,7 +84,33 @@ def _forwarded(loss: Any, extra_args: dict[str, Any]) -> dict[str, Any]:
 
 
 def _all_finite(tree: Any) -> jax.Array:
-    """One global bool: every inexact leaf of ``tree`` is finite (True for an empty tree)."""
+    """One global bool: every inexact leaf of ``tree`` is finite (True for an empty tree).
+
+    Each leaf is reduced as ``isfinite(sum(x - x))``: ``x - x`` is an exact zero for a finite
+    ``x`` and NaN for NaN or Inf, so the sum is 0 or NaN and can never overflow. A float sum
+    fuses with whatever produced ``x`` into one pass on every XLA backend, where
+    ``all(isfinite(x))`` materializes a boolean array first on XLA:CPU.
+    """
+    checks = [
+        jnp.isfinite(jnp.sum(x - x))
+        for x in jax.tree.leaves(tree)
+        if jnp.issubdtype(jnp.result_type(x), jnp.inexact)
+    ]
+    return functools.reduce(jnp.logical_and, checks, jnp.array(True))
+
+
+# Update functions of guards whose output is finite by construction (they return zeros
+# whenever their inner update is not finite): an outer guard need not check it again.
+_FINITE_OUTPUT: weakref.WeakSet = weakref.WeakSet()
+
+
+def _probe_finite(tree: Any) -> jax.Array:
+    """Like :func:`_all_finite`, for a tree computed only to be checked (the inner update).
+
+    ``all(isfinite(x))`` lets XLA fuse the whole computation of ``x`` into the check, which
+    then writes one byte per value at most; a float sum would fuse only simple producers
+    on XLA:CPU and materialize ``x`` first.
+    """
     checks = [
         jnp.all(jnp.isfinite(x))
         for x in jax.tree.leaves(tree)
@@ -92,12 +119,19 @@ def _all_finite(tree: Any) -> jax.Array:
     return functools.reduce(jnp.logical_and, checks, jnp.array(True))
 
 
-def _zeros_where(skip: jax.Array, updates: Any) -> Any:
-    return jax.tree.map(lambda u: jnp.where(skip, jnp.zeros_like(u), u), updates)
+def _update_unless(skip, inner, updates, inner_state, params, extra_args):
+    """``inner.update(...)``, or exact zeros and ``inner_state`` kept bit-for-bit where ``skip``.
 
-
-def _select_state(skip: jax.Array, old: Any, new: Any) -> Any:
-    return jax.tree.map(lambda o, n: jnp.where(skip, o, n), old, new)
+    The update is computed a second time from inputs passed through an optimization
+    barrier: the first evaluation (the probe) is only reduced to the decision and fuses
+    into one read pass, this one into the read-and-write pass of the update. Computed once,
+    the update would have two consumers and XLA would materialize its intermediates.
+    """
+    fresh = jax.lax.optimization_barrier(updates)
+    new_updates, new_inner = inner.update(fresh, inner_state, params, **extra_args)
+    zeros = jax.tree.map(lambda u: jnp.where(skip, jnp.zeros_like(u), u), new_updates)
+    kept = jax.tree.map(lambda o, n: jnp.where(skip, o, n), inner_state, new_inner)
+    return zeros, kept
 
 
 def _counters(skip: jax.Array, total: jax.Array, streak: jax.Array) -> tuple[jax.Array, jax.Array]:
@@ -161,6 +195,8 @@ def skip_nonfinite(inner: optax.GradientTransformation) -> optax.GradientTransfo
       <https://arxiv.org/abs/2204.02311>`_, 2022
     """
     inner = _with_extra_args(inner)
+    # An inner guard's output is finite by construction: checking it again costs a pass.
+    trusted = inner.update in _FINITE_OUTPUT
 
     def init_fn(params: optax.Params) -> SkipNonfiniteState:
         return SkipNonfiniteState(
@@ -178,21 +214,27 @@ def skip_nonfinite(inner: optax.GradientTransformation) -> optax.GradientTransfo
         loss: jax.typing.ArrayLike | None = None,
         **extra_args: Any,
     ) -> tuple[optax.Updates, SkipNonfiniteState]:
-        new_updates, new_inner = inner.update(
-            updates, state.inner_state, params, **_forwarded(loss, extra_args)
-        )
-        finite = jnp.logical_and(_all_finite(updates), _all_finite(new_updates))
+        fwd = _forwarded(loss, extra_args)
+        finite = _all_finite(updates)
         if loss is not None:
             finite = jnp.logical_and(finite, jnp.all(jnp.isfinite(jnp.asarray(loss))))
+        if not trusted:
+            # Only reduced to the decision: XLA fuses this evaluation into one read pass.
+            probe, _ = inner.update(updates, state.inner_state, params, **fwd)
+            finite = jnp.logical_and(finite, _probe_finite(probe))
         skip = jnp.logical_not(finite)
+        new_updates, new_inner = _update_unless(
+            skip, inner, updates, state.inner_state, params, fwd
+        )
         skips, streak = _counters(skip, state.nonfinite_skips, state.nonfinite_streak)
-        return _zeros_where(skip, new_updates), SkipNonfiniteState(
-            inner_state=_select_state(skip, state.inner_state, new_inner),
+        return new_updates, SkipNonfiniteState(
+            inner_state=new_inner,
             nonfinite_skipped=skip,
             nonfinite_skips=skips,
             nonfinite_streak=streak,
         )
 
+    _FINITE_OUTPUT.add(update_fn)
     return optax.GradientTransformationExtraArgs(init_fn, update_fn)
 
 
@@ -365,17 +407,20 @@ def skip_spikes(
         **extra_args: Any,
     ) -> tuple[optax.Updates, SkipSpikesState]:
         x = watched_values(updates, loss)
-        new_updates, new_inner = inner.update(
-            updates, state.spike_inner_state, params, **_forwarded(loss, extra_args)
-        )
+        fwd = _forwarded(loss, extra_args)
+        # Only reduced to the decision: XLA fuses this evaluation into one read pass.
+        probe, _ = inner.update(updates, state.spike_inner_state, params, **fwd)
         count, mean, var = state.spike_count, state.spike_mean, state.spike_var
         have_stats = count > 0
         std = jnp.sqrt(jnp.maximum(var, jnp.square(_REL_STD_FLOOR * jnp.abs(mean)))) + _TINY
         z = jnp.where(have_stats, (x - mean) / std, jnp.zeros_like(x))
         armed = jnp.logical_and(have_stats, count >= warmup_steps)
         spike = jnp.logical_and(armed, jnp.any(z > z_threshold))
-        finite = jnp.logical_and(jnp.all(jnp.isfinite(x)), _all_finite(new_updates))
+        finite = jnp.logical_and(jnp.all(jnp.isfinite(x)), _probe_finite(probe))
         skip = jnp.logical_or(spike, jnp.logical_not(finite))
+        new_updates, new_inner = _update_unless(
+            skip, inner, updates, state.spike_inner_state, params, fwd
+        )
 
         n = optax.safe_increment(count)
         decay = jnp.asarray(ema_decay, jnp.float32)
@@ -389,8 +434,8 @@ def skip_spikes(
             jnp.logical_and(jnp.all(jnp.isfinite(new_mean)), jnp.all(jnp.isfinite(new_var))),
         )
         skips, streak = _counters(skip, state.spike_skips, state.spike_streak)
-        return _zeros_where(skip, new_updates), SkipSpikesState(
-            spike_inner_state=_select_state(skip, state.spike_inner_state, new_inner),
+        return new_updates, SkipSpikesState(
+            spike_inner_state=new_inner,
             spike_skipped=skip,
             spike_skips=skips,
             spike_streak=streak,
@@ -400,6 +445,7 @@ def skip_spikes(
             spike_zscore=z,
         )
 
+    _FINITE_OUTPUT.add(update_fn)
     return optax.GradientTransformationExtraArgs(init_fn, update_fn)
 
 

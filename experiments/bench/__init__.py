@@ -1,0 +1,1 @@
+"""stabljax benchmarks: the cost of the stability measures against plain Optax."""

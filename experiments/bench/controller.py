@@ -1,0 +1,166 @@
+"""Benchmark 3: steps per second of a loop driven by ``RollbackController.step``.
+
+The same jitted train step of the reference model (``make_train_step``) runs ``steps``
+times in a bare loop (``state, metrics = step(state, next(data))``) and in a loop that
+also calls ``ctl.step(state, metrics, data)`` with asynchronous Orbax saves every
+``save_every`` steps; ``ctl.finish`` (the final save, waited for) is inside the timing.
+Rounds alternate bare / controlled; the ratio is of the median steps per second.
+
+    python -m experiments.bench.controller [--quick] [--steps 200 --save-every 50]
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+
+import jax
+
+import stabljax
+from experiments.common import (
+    Setup,
+    adamw,
+    build_model,
+    corpus_batches,
+    markdown_table,
+    parse_config,
+    write_results,
+)
+
+TARGETS = {"steps_per_s_controlled/bare": 0.97}
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+    d_model: int = 128
+    n_layers: int = 2
+    n_heads: int = 4
+    seq_len: int = 64
+    batch_size: int = 8
+    steps: int = 200
+    save_every: int = 50
+    rounds: int = 3
+    seed: int = 0
+
+    @classmethod
+    def quick(cls) -> Config:
+        return cls(
+            d_model=32,
+            n_layers=1,
+            n_heads=2,
+            seq_len=16,
+            batch_size=2,
+            steps=10,
+            save_every=5,
+            rounds=1,
+        )
+
+
+def run(cfg: Config) -> tuple[list[dict], dict]:
+    setup = Setup(
+        d_model=cfg.d_model,
+        n_layers=cfg.n_layers,
+        n_heads=cfg.n_heads,
+        seq_len=cfg.seq_len,
+        batch_size=cfg.batch_size,
+        seed=cfg.seed,
+        corpus_bytes=200_000,
+    )
+    model, _ = build_model(setup)
+    apply_fn, params = stabljax.nnx_apply(model)
+    opt = adamw(setup)
+    step = stabljax.make_train_step(apply_fn, opt)
+    host_batch = corpus_batches(setup)
+    batches = [jax.tree.map(jax.numpy.asarray, host_batch(i)) for i in range(cfg.steps)]
+
+    def batch_fn(i):  # device batches made up front: the loop measures the loop only
+        return batches[i % len(batches)]
+
+    def fresh():
+        return stabljax.TrainState.create(jax.tree.map(jax.numpy.copy, params), opt)
+
+    # Compile (and warm) outside the timing.
+    s, m = step(fresh(), batch_fn(0))
+    jax.block_until_ready(m)
+
+    def bare() -> float:
+        state, data = fresh(), stabljax.IndexedBatches(batch_fn)
+        jax.block_until_ready(state)
+        t0 = time.perf_counter()
+        for _ in range(cfg.steps):
+            state, metrics = step(state, next(data))
+        jax.block_until_ready((state, metrics))
+        return cfg.steps / (time.perf_counter() - t0)
+
+    def controlled() -> float:
+        directory = tempfile.mkdtemp(prefix="stabljax-bench-ctl-")
+        try:
+            ctl = stabljax.RollbackController(directory, save_every=cfg.save_every, async_save=True)
+            state, data = ctl.restore_or_init(fresh(), stabljax.IndexedBatches(batch_fn))
+            ctl._manager.wait_until_finished()  # the step-0 save is setup, not the loop
+            jax.block_until_ready(state)
+            t0 = time.perf_counter()
+            while ctl.current_step < cfg.steps:
+                state, metrics = step(state, next(data))
+                state, data = ctl.step(state, metrics, data)
+            state, data = ctl.finish(state, data)
+            jax.block_until_ready(state)
+            rate = cfg.steps / (time.perf_counter() - t0)
+            ctl.close()
+            return rate
+        finally:
+            shutil.rmtree(directory, ignore_errors=True)
+
+    samples: dict[str, list[float]] = {"bare": [], "controlled": []}
+    controlled()  # warm Orbax's own compilations and threads
+    for _ in range(cfg.rounds):
+        samples["bare"].append(bare())
+        samples["controlled"].append(controlled())
+    med = {k: statistics.median(v) for k, v in samples.items()}
+    rows = [
+        {"loop": k, "steps/s": med[k], "ms/step": 1e3 / med[k], "rounds": len(samples[k])}
+        for k in med
+    ]
+    ratios = {"steps_per_s_controlled/bare": med["controlled"] / med["bare"]}
+    n_params = sum(x.size for x in jax.tree.leaves(params))
+    return rows, {
+        "steps_per_s": med,
+        "samples": samples,
+        "ratios": ratios,
+        "targets": TARGETS,
+        "n_params": int(n_params),
+        "saves_per_round": cfg.steps // cfg.save_every,
+    }
+
+
+def main(argv=None) -> dict:
+    cfg, args = parse_config(Config, argv, __doc__.splitlines()[0], name="bench")
+    rows, results = run(cfg)
+    table = (
+        markdown_table(rows)
+        + "\n"
+        + markdown_table(
+            [
+                {"ratio": k, "value": v, "target": TARGETS.get(k, "")}
+                for k, v in results["ratios"].items()
+            ]
+        )
+    )
+    write_results(
+        args.out,
+        config=cfg,
+        results=results,
+        table=table,
+        title=f"Controller overhead, {cfg.steps} steps, async save every {cfg.save_every}",
+        stem="controller",
+    )
+    print(table)
+    return results
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

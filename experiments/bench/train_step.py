@@ -1,0 +1,174 @@
+"""Benchmark 2: the full train step, hand-written plain Optax against ``make_train_step``.
+
+The reference Transformer (about 10M parameters by default). ``plain`` is a hand-written
+jitted step: optax cross-entropy, ``clip_by_global_norm(1.0)`` and ``adamw``, state donated.
+The ``stabljax`` rows are :func:`stabljax.make_train_step` with z-loss and every metric:
+``stabljax-plain-opt`` with the same optimizer (the cost of the step's losses and
+metrics), ``stabljax-guarded`` with ``skip_nonfinite(skip_spikes(chain(clip_by_zscore(),
+safe_adamw)))`` (losses, metrics and guards), once with ``layer_metrics=False`` and once
+with ``True``. All are timed round-robin in one process; ratios are against ``plain``.
+
+    python -m experiments.bench.train_step [--quick] [--d-model 384 --n-layers 6]
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import sys
+
+import jax
+import numpy as np
+import optax
+
+import stabljax
+from experiments.bench.timing import compiled_cost, interleaved_medians
+from experiments.common import (
+    Setup,
+    build_model,
+    corpus_batches,
+    markdown_table,
+    parse_config,
+    write_results,
+)
+
+TARGETS = {"wall_guarded/plain": 1.03}
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+    d_model: int = 384
+    n_layers: int = 6
+    n_heads: int = 6
+    seq_len: int = 128
+    batch_size: int = 8
+    repeats: int = 7
+    lr: float = 1e-3
+    z_loss: float = 1e-4
+    seed: int = 0
+
+    @classmethod
+    def quick(cls) -> Config:
+        return cls(d_model=32, n_layers=1, n_heads=2, seq_len=16, batch_size=2, repeats=2)
+
+
+def _plain_step(apply_fn, opt):
+    def loss_fn(params, batch):
+        logits = apply_fn(params, batch["inputs"])
+        return optax.softmax_cross_entropy_with_integer_labels(logits, batch["targets"]).mean()
+
+    @functools.partial(jax.jit, donate_argnums=(0, 1))
+    def step(params, opt_state, batch):
+        loss, grads = jax.value_and_grad(loss_fn)(params, batch)
+        updates, opt_state = opt.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, loss
+
+    return step
+
+
+def run(cfg: Config) -> tuple[list[dict], dict]:
+    setup = Setup(
+        d_model=cfg.d_model,
+        n_layers=cfg.n_layers,
+        n_heads=cfg.n_heads,
+        seq_len=cfg.seq_len,
+        batch_size=cfg.batch_size,
+        seed=cfg.seed,
+        corpus_bytes=200_000,
+    )
+    model, _ = build_model(setup)
+    apply_fn, params0 = stabljax.nnx_apply(model)
+    n_params = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(params0))
+    batch = jax.tree.map(jax.numpy.asarray, corpus_batches(setup)(0))
+
+    def plain_opt():
+        return optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(cfg.lr))
+
+    def guarded_opt():
+        return stabljax.skip_nonfinite(
+            stabljax.skip_spikes(
+                optax.chain(stabljax.clip_by_zscore(), stabljax.safe_adamw(cfg.lr))
+            )
+        )
+
+    runners, costs = {}, {}
+
+    # Hand-written plain step.
+    opt = plain_opt()
+    step = _plain_step(apply_fn, opt)
+    params = jax.tree.map(jax.numpy.copy, params0)
+    box = [params, opt.init(params)]
+    costs["plain"] = compiled_cost(step.lower(box[0], box[1], batch).compile())
+
+    def call_plain(step=step, box=box):
+        box[0], box[1], loss = step(box[0], box[1], batch)
+        return loss
+
+    runners["plain"] = call_plain
+
+    variants = {
+        "stabljax-plain-opt": (plain_opt, False),
+        "stabljax-guarded": (guarded_opt, False),
+        "stabljax-guarded+layers": (guarded_opt, True),
+    }
+    for name, (make_opt, layers) in variants.items():
+        opt = make_opt()
+        state = stabljax.TrainState.create(jax.tree.map(jax.numpy.copy, params0), opt)
+        step = stabljax.make_train_step(apply_fn, opt, z_loss=cfg.z_loss, layer_metrics=layers)
+        costs[name] = compiled_cost(step.lower(state, batch).compile())
+        sbox = [state]
+
+        def call(step=step, sbox=sbox):
+            sbox[0], metrics = step(sbox[0], batch)
+            return metrics["loss"]
+
+        runners[name] = call
+
+    walls = interleaved_medians(runners, repeats=cfg.repeats)
+    rows, per = [], {}
+    for name in runners:
+        per[name] = {**costs[name], "wall_s": walls[name]}
+        rows.append(
+            {
+                "step": name,
+                "wall ms": 1e3 * walls[name],
+                "wall / plain": walls[name] / walls["plain"],
+                "bytes / plain": costs[name]["bytes"] / costs["plain"]["bytes"],
+                "flops / plain": costs[name]["flops"] / costs["plain"]["flops"],
+            }
+        )
+    ratios = {
+        "wall_plain-opt/plain": walls["stabljax-plain-opt"] / walls["plain"],
+        "wall_guarded/plain": walls["stabljax-guarded"] / walls["plain"],
+        "wall_guarded+layers/plain": walls["stabljax-guarded+layers"] / walls["plain"],
+    }
+    return rows, {"per_step": per, "ratios": ratios, "targets": TARGETS, "n_params": n_params}
+
+
+def main(argv=None) -> dict:
+    cfg, args = parse_config(Config, argv, __doc__.splitlines()[0], name="bench")
+    rows, results = run(cfg)
+    table = (
+        markdown_table(rows)
+        + "\n"
+        + markdown_table(
+            [
+                {"ratio": k, "value": v, "target": TARGETS.get(k, "")}
+                for k, v in results["ratios"].items()
+            ]
+        )
+    )
+    write_results(
+        args.out,
+        config=cfg,
+        results=results,
+        table=table,
+        title=f"Train step, {results['n_params'] / 1e6:.1f}M parameters",
+        stem="train_step",
+    )
+    print(table)
+    return results
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

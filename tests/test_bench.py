@@ -1,0 +1,54 @@
+"""Smoke runs of the benchmarks: each ``--quick`` run writes its JSON and Markdown table.
+
+No timing is asserted (timing belongs in the benchmarks); only that each benchmark runs
+end to end and records the numbers its table reports.
+"""
+
+import importlib
+import json
+
+import pytest
+
+BENCHES = {
+    "optimizer_update": ("per_optimizer", "ratios", "targets", "n_params"),
+    "train_step": ("per_step", "ratios", "targets", "n_params"),
+    "controller": ("steps_per_s", "ratios", "targets", "n_params"),
+    "rollback": ("seconds", "checkpoint_bytes", "ratios", "targets", "n_params"),
+}
+RATIOS = {
+    "optimizer_update": ("bytes_B/A", "wall_B/A", "wall_C/A", "bandwidth_B", "copy_bytes_per_s"),
+    "train_step": ("wall_guarded/plain", "wall_guarded+layers/plain"),
+    "controller": ("steps_per_s_controlled/bare",),
+    "rollback": ("restore/read_bytes", "skip_s"),
+}
+# The two that compile a whole train step several times take tens of seconds.
+SLOW = {"train_step", "controller"}
+
+
+@pytest.mark.parametrize(
+    "name",
+    [pytest.param(n, marks=pytest.mark.slow) if n in SLOW else n for n in BENCHES],
+)
+def test_quick_run_writes_results(name, tmp_path):
+    mod = importlib.import_module(f"experiments.bench.{name}")
+    returned = mod.main(["--quick", "--out", str(tmp_path), "--no-progress"])
+
+    payload = json.loads((tmp_path / f"{name}.json").read_text())
+    assert set(payload) == {"config", "environment", "results"}
+    results = payload["results"]
+    for key in BENCHES[name]:
+        assert key in results, key
+    for key in RATIOS[name]:
+        assert key in results["ratios"], key
+        assert isinstance(results["ratios"][key], float), key
+    assert set(returned["ratios"]) == set(results["ratios"])
+    table = (tmp_path / f"{name}.md").read_text()
+    assert table.startswith("# ") and "| ratio | value | target |" in table
+
+
+def test_optimizer_update_compares_all_three(tmp_path):
+    mod = importlib.import_module("experiments.bench.optimizer_update")
+    results = mod.main(["--quick", "--out", str(tmp_path)])
+    assert set(results["per_optimizer"]) == {"A", "B", "C"}
+    for r in results["per_optimizer"].values():
+        assert r["bytes"] > 0 and r["wall_s"] > 0
