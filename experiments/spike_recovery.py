@@ -205,12 +205,13 @@ def run_arm(cfg: Config, arm: str, workdir: pathlib.Path, bar) -> dict:
 
 def count_spikes(losses: np.ndarray) -> int:
     """Spike episodes in a loss curve, by :class:`stabljax.SpikeDetector` (NaN counts once)."""
-    det, n = stabljax.SpikeDetector(), 0
+    det, n, inside = stabljax.SpikeDetector(), 0, False
     for i, x in enumerate(losses):
         if not np.isfinite(x):
             return n + 1
-        d = det.update(i, {"loss": float(x)})
-        n += d is not None
+        flagged = det.update(i, {"loss": float(x)}) is not None
+        n += flagged and not inside  # consecutive anomalous steps are one episode
+        inside = flagged
     return n
 
 
