@@ -786,22 +786,6 @@ class SweepConfig:
         return dataclasses.replace(base, **overrides)
 
 
-def seed_stats(rows: Sequence[dict[str, Any]], key: str, by: Sequence[str]) -> list[dict[str, Any]]:
-    """Groups ``rows`` by the ``by`` fields; mean and spread of ``key`` over each group's seeds.
-
-    A group with a non-finite value gets a NaN mean (and ``diverged`` counts them).
-    """
-    groups: dict[tuple, list[float]] = {}
-    for r in rows:
-        groups.setdefault(tuple(r[b] for b in by), []).append(float(r[key]))
-    out = []
-    for k, vals in groups.items():
-        bad = sum(not math.isfinite(v) for v in vals)
-        m, sp = mean_spread(vals) if not bad else (float("nan"), float("nan"))
-        out.append({**dict(zip(by, k, strict=True)), "mean": m, "spread": sp, "diverged": bad})
-    return out
-
-
 def curve_summary(run: Run, every: int = 1) -> dict[str, Any]:
     """The per-step training curves of ``run`` worth keeping in results.json (subsampled)."""
     m = run.metrics
