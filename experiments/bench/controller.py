@@ -21,14 +21,12 @@ import time
 import jax
 
 import stabljax
+from experiments.bench.timing import bench_main
 from experiments.common import (
     Setup,
     adamw,
     build_model,
     corpus_batches,
-    markdown_table,
-    parse_config,
-    write_results,
 )
 
 TARGETS = {"steps_per_s_controlled/bare": 0.97}
@@ -138,28 +136,17 @@ def run(cfg: Config) -> tuple[list[dict], dict]:
 
 
 def main(argv=None) -> dict:
-    cfg, args = parse_config(Config, argv, __doc__.splitlines()[0], name="bench")
-    rows, results = run(cfg)
-    table = (
-        markdown_table(rows)
-        + "\n"
-        + markdown_table(
-            [
-                {"ratio": k, "value": v, "target": TARGETS.get(k, "")}
-                for k, v in results["ratios"].items()
-            ]
-        )
-    )
-    write_results(
-        args.out,
-        config=cfg,
-        results=results,
-        table=table,
-        title=f"Controller overhead, {cfg.steps} steps, async save every {cfg.save_every}",
+    return bench_main(
+        Config,
+        run,
+        argv,
+        description=__doc__.splitlines()[0],
         stem="controller",
+        targets=TARGETS,
+        title=lambda cfg, r: (
+            f"Controller overhead, {cfg.steps} steps, async save every {cfg.save_every}"
+        ),
     )
-    print(table)
-    return results
 
 
 if __name__ == "__main__":

@@ -19,8 +19,13 @@ import jax.numpy as jnp
 import optax
 
 import stabljax
-from experiments.bench.timing import compiled_cost, copy_bytes, copy_runner, interleaved_medians
-from experiments.common import markdown_table, parse_config, write_results
+from experiments.bench.timing import (
+    bench_main,
+    compiled_cost,
+    copy_bytes,
+    copy_runner,
+    interleaved_medians,
+)
 
 TARGETS = {"bytes_B/A": 1.10, "wall_B/A": 1.15, "bandwidth_B": 0.50}
 
@@ -115,27 +120,16 @@ def run(cfg: Config) -> tuple[list[dict], dict]:
 
 
 def main(argv=None) -> dict:
-    cfg, args = parse_config(Config, argv, __doc__.splitlines()[0], name="bench")
     print(f"devices: {jax.devices()}")
-    rows, results = run(cfg)
-    r = results["ratios"]
-    table = (
-        markdown_table(rows)
-        + "\n"
-        + markdown_table(
-            [{"ratio": k, "value": v, "target": TARGETS.get(k, "")} for k, v in r.items()]
-        )
-    )
-    write_results(
-        args.out,
-        config=cfg,
-        results=results,
-        table=table,
-        title=f"Optimizer update, 2^{cfg.log2_params} float32 parameters",
+    return bench_main(
+        Config,
+        run,
+        argv,
+        description=__doc__.splitlines()[0],
         stem="optimizer_update",
+        targets=TARGETS,
+        title=lambda cfg, r: f"Optimizer update, 2^{cfg.log2_params} float32 parameters",
     )
-    print(table)
-    return results
 
 
 if __name__ == "__main__":

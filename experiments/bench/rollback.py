@@ -28,13 +28,11 @@ import time
 import jax
 
 import stabljax
+from experiments.bench.timing import bench_main
 from experiments.common import (
     Setup,
     adamw,
     build_model,
-    markdown_table,
-    parse_config,
-    write_results,
 )
 
 TARGETS = {"skip_s": 0.010}
@@ -159,30 +157,18 @@ def run(cfg: Config) -> tuple[list[dict], dict]:
 
 
 def main(argv=None) -> dict:
-    cfg, args = parse_config(Config, argv, __doc__.splitlines()[0], name="bench")
-    rows, results = run(cfg)
-    table = (
-        markdown_table(rows)
-        + "\n"
-        + markdown_table(
-            [
-                {"ratio": k, "value": v, "target": TARGETS.get(k, "")}
-                for k, v in results["ratios"].items()
-            ]
-        )
-    )
-    mb = results["checkpoint_bytes"] / 2**20
-    params_m = results["n_params"] / 1e6
-    write_results(
-        args.out,
-        config=cfg,
-        results=results,
-        table=table,
-        title=f"Rollback cost, checkpoint of {mb:.1f} MiB ({params_m:.1f}M params)",
+    return bench_main(
+        Config,
+        run,
+        argv,
+        description=__doc__.splitlines()[0],
         stem="rollback",
+        targets=TARGETS,
+        title=lambda cfg, r: (
+            f"Rollback cost, checkpoint of {r['checkpoint_bytes'] / 2**20:.1f} MiB "
+            f"({r['n_params'] / 1e6:.1f}M params)"
+        ),
     )
-    print(table)
-    return results
 
 
 if __name__ == "__main__":

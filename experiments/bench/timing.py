@@ -71,3 +71,33 @@ def copy_bandwidth(n_floats: int, *, repeats: int = 20) -> float:
     """
     t = interleaved_medians({"copy": copy_runner(n_floats)}, repeats=repeats)["copy"]
     return copy_bytes(n_floats) / t
+
+
+def bench_main(
+    config_cls: type,
+    run: Callable[[Any], tuple[list[dict], dict]],
+    argv: Any,
+    *,
+    description: str,
+    stem: str,
+    targets: dict[str, float],
+    title: Callable[[Any, dict], str],
+) -> dict:
+    """The CLI of every benchmark: parse, run, write ``<stem>.json``/``.md``, print the table.
+
+    ``run(cfg) -> (rows, results)`` with ``results["ratios"]`` the figures compared with
+    ``targets``; ``title(cfg, results)`` heads the Markdown file.
+    """
+    from experiments.common import markdown_table, parse_config, write_results
+
+    cfg, args = parse_config(config_cls, argv, description, name="bench")
+    rows, results = run(cfg)
+    ratios = [
+        {"ratio": k, "value": v, "target": targets.get(k, "")} for k, v in results["ratios"].items()
+    ]
+    table = markdown_table(rows) + "\n" + markdown_table(ratios)
+    write_results(
+        args.out, config=cfg, results=results, table=table, title=title(cfg, results), stem=stem
+    )
+    print(table)
+    return results

@@ -22,14 +22,11 @@ import numpy as np
 import optax
 
 import stabljax
-from experiments.bench.timing import compiled_cost, interleaved_medians
+from experiments.bench.timing import bench_main, compiled_cost, interleaved_medians
 from experiments.common import (
     Setup,
     build_model,
     corpus_batches,
-    markdown_table,
-    parse_config,
-    write_results,
 )
 
 TARGETS = {"wall_guarded/plain": 1.03}
@@ -146,28 +143,15 @@ def run(cfg: Config) -> tuple[list[dict], dict]:
 
 
 def main(argv=None) -> dict:
-    cfg, args = parse_config(Config, argv, __doc__.splitlines()[0], name="bench")
-    rows, results = run(cfg)
-    table = (
-        markdown_table(rows)
-        + "\n"
-        + markdown_table(
-            [
-                {"ratio": k, "value": v, "target": TARGETS.get(k, "")}
-                for k, v in results["ratios"].items()
-            ]
-        )
-    )
-    write_results(
-        args.out,
-        config=cfg,
-        results=results,
-        table=table,
-        title=f"Train step, {results['n_params'] / 1e6:.1f}M parameters",
+    return bench_main(
+        Config,
+        run,
+        argv,
+        description=__doc__.splitlines()[0],
         stem="train_step",
+        targets=TARGETS,
+        title=lambda cfg, r: f"Train step, {r['n_params'] / 1e6:.1f}M parameters",
     )
-    print(table)
-    return results
 
 
 if __name__ == "__main__":
