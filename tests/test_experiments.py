@@ -7,10 +7,15 @@ check they are present, finite where they must be, and consistent with each othe
 import importlib
 import json
 import math
+import pathlib
+import subprocess
+import sys
 
 import pytest
 
 from experiments import common
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 FIGURES = {
     "lr_sensitivity": ("loss_vs_lr.png", "logits.png"),
@@ -23,10 +28,15 @@ FIGURES = {
 }
 
 
-def _run(name, tmp_path, *extra):
-    mod = importlib.import_module(f"experiments.{name}")
+def _run(name, tmp_path, *extra, script=False):
     out = tmp_path / name
-    mod.main(["--quick", "--no-progress", "--out", str(out), *extra])
+    args = ["--quick", "--no-progress", "--out", str(out), *extra]
+    if script:  # as README's command runs it: a fresh interpreter, the file as a script
+        path = ROOT / "experiments" / f"{name}.py"
+        proc = subprocess.run([sys.executable, str(path), *args], capture_output=True, text=True)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+    else:
+        importlib.import_module(f"experiments.{name}").main(args)
     payload = json.loads((out / "results.json").read_text())
     assert (out / "results.md").read_text().startswith("# ")
     for fig in FIGURES[name]:
@@ -100,7 +110,7 @@ def test_precision(tmp_path):
 
 
 def test_spike_recovery(tmp_path):
-    res, _ = _run("spike_recovery", tmp_path)
+    res, _ = _run("spike_recovery", tmp_path, script=True)
     assert set(res["arms"]) == {"clean", "unguarded", "guarded"}
     assert _finite(res["arms"]["clean"]["final_loss"])
     assert res["arms"]["guarded"]["rollbacks"] >= 1
