@@ -161,6 +161,23 @@ def test_skip_nonfinite_inf_in_inner_output_skips():
     assert int(state1.inner_state[0][0].count) == 0
 
 
+def test_skip_nonfinite_skips_finite_gradients_whose_float32_norm_overflows():
+    # The gradients are checked through their float32 global norm: float32 max is
+    # 3.40e38, so a norm of 3e19 (norm² 9e38) overflows while 1.5e19 (norm² 2.25e38) does not.
+    opt = skip_nonfinite(optax.sgd(1e-20))
+    step = jit_update(opt)
+    params = {"a": jnp.zeros(2), "b": jnp.zeros(3)}
+    state0 = opt.init(params)
+    huge = {"a": jnp.array([3e19, 0.0]), "b": jnp.zeros(3)}
+    u, state1 = step(huge, state0, params)
+    assert_exact_zeros(u)
+    assert bool(state1.nonfinite_skipped)
+    large = {"a": jnp.array([1.5e19, 0.0]), "b": jnp.zeros(3)}
+    u, state2 = step(large, state1, params)
+    assert not bool(state2.nonfinite_skipped)
+    np.testing.assert_allclose(u["a"], [-0.15, 0.0], rtol=1e-6)
+
+
 def test_skip_nonfinite_never_gives_up_unlike_apply_if_finite():
     params = {"w": jnp.ones((4,))}
     nan_grads = {"w": jnp.array([1.0, jnp.nan, 1.0, 1.0])}

@@ -99,6 +99,21 @@ def _all_finite(tree: Any) -> jax.Array:
     return functools.reduce(jnp.logical_and, checks, jnp.array(True))
 
 
+def _norm_finite(tree: Any) -> jax.Array:
+    """Whether the float32 global norm of ``tree`` is finite (True for an empty tree).
+
+    False when any leaf holds NaN or Inf, and also when finite values overflow the
+    float32 norm (a global norm above about 1.8e19): no step is meaningful then, and
+    Adam's second moment would overflow to Inf. It is the expression :func:`skip_spikes`
+    uses for ``"grad_norm"``, so XLA computes it once for nested guards (one pass over
+    the gradients fewer than a separate finiteness check).
+    """
+    leaves = [x for x in jax.tree.leaves(tree) if jnp.issubdtype(jnp.result_type(x), jnp.inexact)]
+    if not leaves:
+        return jnp.array(True)
+    return jnp.isfinite(_global_norm_f32(leaves))
+
+
 # Update functions of guards whose output is finite by construction (they return zeros
 # whenever their inner update is not finite): an outer guard need not check it again.
 _FINITE_OUTPUT: weakref.WeakSet = weakref.WeakSet()
@@ -149,9 +164,11 @@ def skip_nonfinite(inner: optax.GradientTransformation) -> optax.GradientTransfo
     .. math::
         \neg\big(\mathrm{finite}(g) \wedge \mathrm{finite}(u) \wedge \mathrm{finite}(\ell)\big),
 
-    each a single global reduction over all leaves (and all devices). A skipped step
-    returns exact zeros and keeps ``s`` bit-for-bit, so the inner step count does not
-    advance; otherwise it returns :math:`(u, s')`.
+    each a single global reduction over all leaves (and all devices). :math:`g` is
+    checked through its float32 global norm, so finite gradients whose norm overflows
+    float32 (above about 1.8e19) are skipped too. A skipped step returns exact zeros and
+    keeps ``s`` bit-for-bit, so the inner step count does not advance; otherwise it
+    returns :math:`(u, s')`.
 
     Unlike :func:`optax.apply_if_finite`, which checks only the incoming gradients and
     applies the non-finite update once ``max_consecutive_errors`` is exceeded, this
@@ -215,7 +232,7 @@ def skip_nonfinite(inner: optax.GradientTransformation) -> optax.GradientTransfo
         **extra_args: Any,
     ) -> tuple[optax.Updates, SkipNonfiniteState]:
         fwd = _forwarded(loss, extra_args)
-        finite = _all_finite(updates)
+        finite = _norm_finite(updates)
         if loss is not None:
             finite = jnp.logical_and(finite, jnp.all(jnp.isfinite(jnp.asarray(loss))))
         if not trusted:
