@@ -612,3 +612,21 @@ def test_progress_bar_runs(tmp_path, capsys):
     _run_ctl.close()
     err = capsys.readouterr().err
     assert "rollbacks=1" in err and "40/40" in err
+
+
+def test_deleted_checkpoints_are_removed_in_the_background_and_crash_leftovers_on_restart(
+    tmp_path,
+):
+    ctl, _, _ = _run(tmp_path, 60, batch_fn_factory(()))  # close() waits for the sweeps
+    assert ctl.checkpoint_steps() == [40, 50, 60]
+    names = sorted(p.name for p in tmp_path.iterdir())
+    assert not [n for n in names if n.startswith("stabljax-trash")], names
+    # A sweep that a crash cut short leaves a renamed trash folder behind.
+    leftover = tmp_path / "stabljax-trash.0123abcd" / "10" / "state"
+    leftover.mkdir(parents=True)
+    (leftover / "data").write_bytes(b"x" * 100)
+    ctl = _controller(tmp_path)
+    state, data = ctl.restore_or_init(STATE0, IndexedBatches(batch_fn_factory(())))
+    assert ctl.current_step == 60
+    ctl.close()
+    assert not (tmp_path / "stabljax-trash.0123abcd").exists()

@@ -51,7 +51,9 @@ import os
 import pathlib
 import shutil
 import sys
+import threading
 import time
+import uuid
 import warnings
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -113,16 +115,17 @@ def _to_host(x: Any) -> np.ndarray:
 
 def _host_scalars(metrics: Mapping[str, Any], keys: frozenset[str] | None) -> dict[str, Any]:
     """Host Python scalars for the 0-d entries of ``metrics`` (all, or those in ``keys``)."""
-    out = {}
-    for k, v in metrics.items():
-        if keys is not None and k not in keys:
-            continue
-        if isinstance(v, Mapping) or v is None:
-            continue
-        if np.shape(v) != ():
-            continue
-        out[k] = _to_host(v).item()
-    return out
+    wanted = {
+        k: v
+        for k, v in metrics.items()
+        if (keys is None or k in keys)
+        and not (isinstance(v, Mapping) or v is None)
+        and np.shape(v) == ()
+    }
+    for v in wanted.values():  # start every copy before waiting on the first
+        if isinstance(v, jax.Array) and v.is_fully_addressable:
+            v.copy_to_host_async()
+    return {k: _to_host(v).item() for k, v in wanted.items()}
 
 
 def _leaf_fingerprint(x: jax.Array) -> jax.Array:
@@ -149,6 +152,30 @@ def _fingerprint(tree: Any) -> jax.Array:
     if not leaves:
         return jnp.zeros((0,), jnp.uint32)
     return jnp.concatenate([_leaf_fingerprint(x) for x in leaves])
+
+
+class _Sweeper:
+    """Removes directories in daemon threads; :meth:`join` waits for all of them."""
+
+    def __init__(self) -> None:
+        self._threads: list[threading.Thread] = []
+
+    def remove(self, path: pathlib.Path) -> None:
+        self._threads = [t for t in self._threads if t.is_alive()]
+        thread = threading.Thread(
+            target=shutil.rmtree,
+            args=(path,),
+            kwargs={"ignore_errors": True},
+            name="stabljax-trash",
+            daemon=True,
+        )
+        thread.start()
+        self._threads.append(thread)
+
+    def join(self) -> None:
+        for thread in self._threads:
+            thread.join()
+        self._threads = []
 
 
 def _is_primary() -> bool:
@@ -358,6 +385,7 @@ class RollbackController:
         self._ema = [0.0, 0]
         self._ckpt_losses: dict[int, float] = {}
         self._saved_at: int | None = None
+        self._sweeper = _Sweeper()
 
     # ----------------------------------------------------------------------- properties
 
@@ -425,6 +453,8 @@ class RollbackController:
         if _is_primary():  # a rollback record that a crash left half-written
             for tmp in self.directory.glob(f".{_RECORD}.tmp-*"):
                 tmp.unlink(missing_ok=True)
+            for doomed in self.directory.glob(f"{_TRASH}.*"):  # a sweep a crash cut short
+                self._sweeper.remove(doomed)
         self._manager.reload()
         steps = sorted(self._manager.all_steps())
         if not steps:
@@ -592,10 +622,11 @@ class RollbackController:
                 bar.close()
 
     def close(self) -> None:
-        """Waits for saves in flight, drops surplus checkpoints, releases the manager."""
+        """Waits for saves and deletions in flight, drops surplus checkpoints, closes Orbax."""
         self._manager.wait_until_finished()
         self._retain()
         self._manager.close()
+        self._sweeper.join()
 
     def __enter__(self) -> RollbackController:
         return self
@@ -810,8 +841,20 @@ class RollbackController:
         return self.directory / str(step)
 
     def _empty_trash(self) -> None:
-        if _is_primary():
-            shutil.rmtree(self.directory / _TRASH, ignore_errors=True)
+        """Removes deleted checkpoints off the training thread (primary host only).
+
+        Orbax's delete only renames a step into ``stabljax-trash/``; removing its files
+        can take seconds for a large checkpoint, so the trash is renamed aside (atomic)
+        and removed by a background thread. A crash mid-way leaves a
+        ``stabljax-trash.*`` folder, which the next :meth:`restore_or_init` removes.
+        """
+        if not _is_primary():
+            return
+        trash = self.directory / _TRASH
+        if trash.exists():
+            doomed = trash.with_name(f"{_TRASH}.{uuid.uuid4().hex}")
+            os.replace(trash, doomed)
+            self._sweeper.remove(doomed)
 
     def _delete(self, steps: Sequence[int]) -> None:
         existing = set(self._manager.all_steps())
