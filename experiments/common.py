@@ -260,13 +260,11 @@ def precision_of(name: str):
     raise ValueError(f"precision must be fp32, bf16, fp16 or fp16-noscale, got {name!r}")
 
 
-def build_model(s: Setup, *, n_layers: int | None = None):
-    """The reference Transformer of ``s``; returns ``(model, config)``."""
-    from flax import nnx
+def model_config(s: Setup, *, n_layers: int | None = None):
+    """The :class:`stabljax.nn.TransformerConfig` of the reference model of ``s``."""
+    from stabljax.nn import TransformerConfig
 
-    from stabljax.nn import TransformerConfig, TransformerLM
-
-    cfg = TransformerConfig(
+    return TransformerConfig(
         vocab_size=256,
         d_model=s.d_model,
         n_layers=n_layers or s.n_layers,
@@ -276,7 +274,38 @@ def build_model(s: Setup, *, n_layers: int | None = None):
         qk_norm=s.qk_norm,
         init_scheme=s.init_scheme,
     )
+
+
+def build_model(s: Setup, *, n_layers: int | None = None):
+    """The reference Transformer of ``s``; returns ``(model, config)``."""
+    from flax import nnx
+
+    from stabljax.nn import TransformerLM
+
+    cfg = model_config(s, n_layers=n_layers)
     return TransformerLM(cfg, rngs=nnx.Rngs(s.seed)), cfg
+
+
+@functools.lru_cache(maxsize=8)
+def _initial_model(cfg, seed: int):
+    from flax import nnx
+
+    import stabljax
+    from stabljax.nn import TransformerLM
+
+    model = TransformerLM(cfg, rngs=nnx.Rngs(seed))
+    return model, stabljax.nnx_apply(model)[1]
+
+
+def initial_model(s: Setup):
+    """``(model, params)`` of :func:`build_model`, built once per model config and seed.
+
+    A sweep starts many runs from the same initialisation (every LR, every arm that
+    changes only the optimizer); building it eagerly costs a few hundred ms each time on
+    a small CPU. The params are never donated (:meth:`stabljax.TrainState.create` copies
+    them), so sharing them between runs is safe.
+    """
+    return _initial_model(model_config(s), s.seed)
 
 
 def lr_schedule(s: Setup):
@@ -511,6 +540,38 @@ class AotJit:
         return exe(*args)
 
 
+_EVAL_PROGRAMS: dict[Any, tuple[AotJit, AotJit]] = {}
+
+
+def _eval_programs(cfg, model, options: tuple) -> tuple[AotJit, AotJit]:
+    """The held-out loss and the aux probe of a model config, compiled once per process.
+
+    They depend on the model, not on the optimizer, so every :class:`Trainer` of a sweep
+    whose arms differ only in the optimizer or the step shares them.
+    """
+    import jax
+    import optax
+
+    import stabljax
+
+    key = (cfg, options)
+    if key not in _EVAL_PROGRAMS:
+        apply_fn, _ = stabljax.nnx_apply(model)
+        aux_fn, _ = stabljax.nnx_apply(model, return_aux=True)
+
+        def ce(params, batch):
+            logits = apply_fn(params, batch["inputs"])
+            return optax.softmax_cross_entropy_with_integer_labels(logits, batch["targets"]).mean()
+
+        def aux(params, x):
+            _, a = aux_fn(params, x)
+            return a["max_attn_logit"], a["residual_rms"]
+
+        opts = dict(options)
+        _EVAL_PROGRAMS[key] = (AotJit(jax.jit(ce), opts), AotJit(jax.jit(aux), opts))
+    return _EVAL_PROGRAMS[key]
+
+
 class Trainer:
     """Trains the reference model of ``s`` for many (seed, hyperparameter) settings.
 
@@ -550,34 +611,16 @@ class Trainer:
         return optax.inject_hyperparams(self.factory)(**hparams)
 
     def _compile(self, model, hparams):
-        import jax
-        import optax
-
         import stabljax
 
         apply_fn, _ = stabljax.nnx_apply(model)
-        aux_fn, _ = stabljax.nnx_apply(model, return_aux=True)
         precision = self.precision or precision_of(self.s.precision)
         step = stabljax.make_train_step(
             apply_fn, self.optimizer(**hparams), z_loss=self.s.z_loss, precision=precision
         )
         opts = self.compiler_options
-
-        def ce(params, batch):
-            logits = apply_fn(params, batch["inputs"])
-            return optax.softmax_cross_entropy_with_integer_labels(logits, batch["targets"]).mean()
-
-        def aux(params, x):
-            _, a = aux_fn(params, x)
-            return a["max_attn_logit"], a["residual_rms"]
-
-        self._compiled = (
-            apply_fn,
-            AotJit(step, opts),
-            AotJit(jax.jit(ce), opts),
-            AotJit(jax.jit(aux), opts),
-            precision,
-        )
+        ce, aux = _eval_programs(model_config(self.s), model, tuple(sorted(opts.items())))
+        self._compiled = (apply_fn, AotJit(step, opts), ce, aux, precision)
 
     def run(
         self,
@@ -606,8 +649,7 @@ class Trainer:
 
         lr = hparams.get("learning_rate", self.s.lr)
         s = dataclasses.replace(self.s, seed=seed, lr=float(lr), **(overrides or {}))
-        model, _ = build_model(s)
-        _, params = stabljax.nnx_apply(model)
+        model, params = initial_model(s)
         if self._compiled is None:
             self._compile(model, hparams)
         apply_fn, step, ce, aux, precision = self._compiled

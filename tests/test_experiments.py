@@ -73,12 +73,16 @@ def test_warmup(tmp_path):
 def test_adam_eps(tmp_path):
     res, cfg = _run("adam_eps", tmp_path)
     arms = res["arms"]
+    assert len(cfg["seeds"]) >= 2  # the criterion needs a seed spread
     # Scale invariance of the eps-free arms is exact up to float32 rounding, even in 6 steps.
     for arm in ("safe_adamw_eps0", "adamw_atan2"):
         assert arms[arm]["max_gap_vs_scale1"] < 1e-3, arm
         assert res["pow2_check"][arm]["bit_identical_to_x1"], arm
+        inv = arms[arm]["invariance"]
+        assert inv["invariant"] is True and inv["scale_effect"] <= inv["seed_sd"], arm
     # eps = 1e-8 against gradients shrunk 1e8: the update is eps-bound and the loss lags.
     assert arms["adamw_eps1e-8"]["degradation_at_smallest_scale"] > 0.05
+    assert arms["adamw_eps1e-8"]["invariance"]["invariant"] is False
     tiny = [r for r in res["rows"] if r["arm"] == "adamw_eps1e-8" and r["scale"] == 1e-8]
     assert all(r["eps_fraction"] > 0.9 for r in tiny)
 
@@ -126,3 +130,16 @@ def test_steps_lost():
     assert common.steps_lost(losses, [3]) == 3  # back to <= 2.8 at step 6
     assert common.steps_lost(losses, []) == 0
     assert common.steps_lost([2.0, 5.0, 4.0], [1]) == 2  # never recovers: to the end
+
+
+def test_adam_eps_invariance_criterion():
+    from experiments.adam_eps import invariance
+
+    # Seed SD pooled over scales: variances 0.02 and 0.08 (ddof 1) -> sqrt(0.05).
+    by_scale = {1.0: [1.0, 1.2], 1e-8: [1.1, 1.5]}
+    inv = invariance(by_scale, 1.0)
+    assert inv["scale_effect"] == pytest.approx(0.2)  # mean 1.3 vs 1.1
+    assert inv["seed_sd"] == pytest.approx(math.sqrt(0.05))
+    assert inv["seed_sd_dof"] == 2 and inv["invariant"] is True
+    assert invariance({1.0: [1.0, 1.2], 1e-8: [1.5, 1.7]}, 1.0)["invariant"] is False
+    assert invariance({1.0: [1.0], 1e-8: [1.0]}, 1.0)["invariant"] is None
