@@ -6,7 +6,10 @@ import itertools
 import json
 import math
 
+import jax
+import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 
 from stabljax.control.detect import (
@@ -18,6 +21,7 @@ from stabljax.control.detect import (
     mann_kendall,
     sen_slope,
 )
+from stabljax.optim.guards import any_skipped, skip_nonfinite, skip_spikes, skip_streak
 
 
 def _weighted_stats(xs, decay):
@@ -347,3 +351,27 @@ def test_default_detectors_follow_the_protocol():
     assert len({d.name for d in dets}) == 3
     for d in dets:
         json.dumps(d.get_state())
+
+
+def test_divergence_counts_skips_across_nested_guards():
+    # skip_nonfinite(skip_spikes(...)): a NaN step restores the inner guard's state, so after
+    # NaN, NaN, spike the guards' longest streak reads 1 while 3 steps in a row were skipped.
+    opt = skip_nonfinite(skip_spikes(optax.sgd(0.1), warmup_steps=3, watch=("loss",)))
+    update = jax.jit(opt.update)
+    params = jnp.zeros(2)
+    state = opt.init(params)
+    det = DivergenceDetector(max_skip_streak=2)
+    losses = [1.0, 1.1, 0.9, 1.0, float("nan"), float("nan"), 50.0]
+    found = []
+    for step, loss in enumerate(losses):
+        _, state = update(jnp.ones(2), state, params, loss=loss)
+        metrics = {
+            "loss": loss,
+            "skipped": bool(any_skipped(state)),
+            "skip_streak": int(skip_streak(state)),
+        }
+        found.append(det.update(step, metrics))
+    assert metrics["skipped"] and metrics["skip_streak"] == 1  # the guards' own view
+    assert found[:6] == [None] * 4 + [found[4], None]
+    assert found[4].action == "record"  # the first NaN, skipped: recorded only
+    assert found[6].action == "rollback" and found[6].onset == 4

@@ -290,9 +290,9 @@ class DivergenceDetector:
     A non-finite value whose update was applied (``skipped`` false or absent) rolls
     back at once; one a guard skipped is recorded (once per run of them). A skip streak
     longer than ``max_skip_streak`` rolls back, with the onset at the first skipped
-    step of the streak. The streak is ``metrics["skip_streak"]`` (the train step's
-    longest guard streak) when present, else the detector's own count of consecutive
-    ``skipped`` steps.
+    step of the streak. The streak is the longer of ``metrics["skip_streak"]`` (the train
+    step's longest guard streak, when present) and the detector's own count of
+    consecutive ``skipped`` steps.
 
     Args:
       max_skip_streak: consecutive skipped steps tolerated; >= 1.
@@ -341,7 +341,10 @@ class DivergenceDetector:
         x = _value(metrics, self.metric)
         skipped = bool(metrics.get("skipped", False))
         self._own_streak = self._own_streak + 1 if skipped else 0
-        streak = int(metrics["skip_streak"]) if "skip_streak" in metrics else self._own_streak
+        # Nested guards restore each other's counters (skip_nonfinite(skip_spikes(...))
+        # resets the inner spike_streak on a NaN step), so the guards' streak can be shorter
+        # than the run of skipped steps: take the longer of the two.
+        streak = max(int(metrics.get("skip_streak", 0)), self._own_streak)
         finite = math.isfinite(x)
         new_nonfinite = not finite and self._nonfinite_onset is None
         if finite:
