@@ -140,7 +140,7 @@ def invariance(by_scale: dict[float, list[float]], ref: float) -> dict:
 
 def main(argv=None) -> dict:
     cfg, args = common.parse_config(Config, argv, __doc__.splitlines()[0], name="adam_eps")
-    common.init_distributed()
+    common.init_distributed(args)
     out = pathlib.Path(args.out)
     s = cfg.setup(lr=cfg.lr)
     trainers = {a: common.Trainer(s, factory(a, s)) for a in cfg.arms}
@@ -216,9 +216,9 @@ def main(argv=None) -> dict:
     table = (
         "Final held-out loss (mean ± half-range over seeds) by gradient scale; in brackets the "
         f"fraction of coordinates with √v̂ < {cfg.eps_threshold:g} at the end (n/a: atan2 has no v̂ "
-        "in adam_eps_report's sense). Largest shift vs ×1: the largest change of the seed-mean loss "
-        "from ×1; seed SD: the standard deviation of one run's final loss across seeds, pooled "
-        f"over the scales ({len(cfg.scales)} × ({len(cfg.seeds)} − 1) degrees of freedom); "
+        "in adam_eps_report's sense). Largest shift vs ×1: the largest change of the seed-mean "
+        "loss from ×1; seed SD: the standard deviation of one run's final loss across seeds, "
+        f"pooled over the scales ({len(cfg.scales)} × ({len(cfg.seeds)} − 1) degrees of freedom); "
         "invariant: largest shift ≤ seed SD.\n\n" + common.markdown_table(table)
     )
     res = {"rows": rows, "arms": arms, "pow2_check": pow2_check, "pow2_rows": pow2}

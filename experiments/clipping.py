@@ -70,7 +70,7 @@ def factory(arm: str, s: common.Setup, cfg: Config):
 
 def main(argv=None) -> dict:
     cfg, args = common.parse_config(Config, argv, __doc__.splitlines()[0], name="clipping")
-    common.init_distributed()
+    common.init_distributed(args)
     out = pathlib.Path(args.out)
     s = cfg.setup(lr=cfg.lr)
     trainers = {a: common.Trainer(s, factory(a, s, cfg)) for a in cfg.arms}

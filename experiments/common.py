@@ -91,8 +91,11 @@ def write_results(
     """Writes ``<stem>.json`` (config, environment, every number) and ``<stem>.md``.
 
     Files are written to a temporary name and renamed, so a reader never sees half a file.
+    In a multi-process run only process 0 writes (every process holds the same numbers).
     """
     out = pathlib.Path(out)
+    if not is_primary():
+        return out
     out.mkdir(parents=True, exist_ok=True)
     payload = {
         "config": _jsonable(config),
@@ -140,6 +143,25 @@ def parse_config(cls: type, argv: Sequence[str] | None, description: str, *, nam
     p.add_argument("--quick", action="store_true", help="tiny smoke-run configuration")
     p.add_argument("--out", default=str(RESULTS / name), help="results folder")
     p.add_argument("--no-progress", action="store_true", help="hide the progress bar")
+    g = p.add_argument_group(
+        "multi-process runs",
+        "Start one process per host (or several on one host) with the same command and "
+        "these three flags; each process uses its local devices and process 0 writes the "
+        "results. On a TPU pod slice, SLURM or Open MPI, --distributed finds them by itself.",
+    )
+    g.add_argument(
+        "--coordinator-address",
+        default=None,
+        help="HOST:PORT of process 0, where the processes meet (jax.distributed.initialize)",
+    )
+    g.add_argument("--num-processes", type=int, default=None, help="number of processes")
+    g.add_argument("--process-id", type=int, default=None, help="this process's index")
+    g.add_argument(
+        "--distributed",
+        action="store_true",
+        help="call jax.distributed.initialize() with the cluster's own detection "
+        "(also when JAX_COORDINATOR_ADDRESS or STABLJAX_DISTRIBUTED is set)",
+    )
     for f in dataclasses.fields(cls):
         t = _field_type(f, hints)
         kwargs: dict[str, Any] = {"type": t}
@@ -197,16 +219,43 @@ class Setup:
     eval_batches: int = 8
 
 
-def init_distributed() -> None:
-    """Joins a multi-host run when launched as one (JAX's coordinator variables set).
+def init_distributed(args: argparse.Namespace | None = None) -> None:
+    """Joins a multi-process run when launched as one; a single process needs nothing.
 
-    On a TPU VM pod slice or a cluster JAX detects, ``jax.distributed.initialize()``
-    finds its peers by itself; a single machine needs nothing.
+    With ``--coordinator-address``, ``--num-processes`` and ``--process-id`` (all three,
+    from :func:`parse_config`) it calls ``jax.distributed.initialize`` with them. With
+    ``--distributed``, or ``JAX_COORDINATOR_ADDRESS`` / ``STABLJAX_DISTRIBUTED`` in the
+    environment, it calls it without arguments, and JAX finds its peers itself (TPU pod
+    slices, SLURM, Open MPI, Kubernetes). On CPU the collectives between processes go
+    through gloo. Must run before anything touches a JAX device.
     """
     import jax
 
-    if os.environ.get("JAX_COORDINATOR_ADDRESS") or os.environ.get("STABLJAX_DISTRIBUTED"):
-        jax.distributed.initialize()
+    explicit = {
+        k: getattr(args, k, None) for k in ("coordinator_address", "num_processes", "process_id")
+    }
+    given = [k for k, v in explicit.items() if v is not None]
+    if given and len(given) < 3:
+        missing = sorted(set(explicit) - set(given))
+        raise ValueError(
+            "--coordinator-address, --num-processes and --process-id go together; "
+            f"missing {', '.join('--' + m.replace('_', '-') for m in missing)}"
+        )
+    auto = getattr(args, "distributed", False) or any(
+        os.environ.get(v) for v in ("JAX_COORDINATOR_ADDRESS", "STABLJAX_DISTRIBUTED")
+    )
+    if not given and not auto:
+        return
+    if jax.config.jax_cpu_collectives_implementation in (None, "", "none"):
+        jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    jax.distributed.initialize(**(explicit if given else {}))
+
+
+def is_primary() -> bool:
+    """True on process 0 (the one that writes results and draws the progress bar)."""
+    import jax
+
+    return jax.process_index() == 0
 
 
 def data_mesh():
@@ -369,6 +418,61 @@ def evaluate(apply_fn, params, batches, put) -> float:
     return float(np.mean([float(ce(params, put(b))) for b in batches]))
 
 
+@dataclasses.dataclass
+class Prepared:
+    """One run of a setup, ready to train: what :func:`prepare` returns.
+
+    Attributes:
+      apply_fn: the model's ``apply_fn(params, inputs)``.
+      params: the initial params, replicated over the data mesh.
+      state: the initial :class:`stabljax.TrainState`.
+      step: the jitted train step (:func:`stabljax.make_train_step`).
+      put: ``put(batch)``, a host batch to a global array sharded over the mesh.
+      eval_set: the held-out batches (host numpy).
+    """
+
+    apply_fn: Any
+    params: Any
+    state: Any
+    step: Any
+    put: Any
+    eval_set: list
+
+    def evaluate(self, params) -> float:
+        """Mean held-out cross-entropy of ``params``."""
+        return evaluate(self.apply_fn, params, self.eval_set, self.put)
+
+
+def prepare(s: Setup, optimizer=None, *, precision: Any = None) -> Prepared:
+    """Model, replicated params, train state and step, data placement and held-out set of ``s``.
+
+    Args:
+      s: the setup.
+      optimizer: an Optax optimizer; default :func:`adamw` of ``s``.
+      precision: a :class:`stabljax.Precision`; default ``precision_of(s.precision)``.
+    """
+    import jax
+    from jax.sharding import NamedSharding, PartitionSpec
+
+    import stabljax
+
+    model, params = initial_model(s)
+    apply_fn, _ = stabljax.nnx_apply(model)
+    optimizer = optimizer if optimizer is not None else adamw(s)
+    precision = precision or precision_of(s.precision)
+    mesh = data_mesh()
+    params = jax.device_put(params, NamedSharding(mesh, PartitionSpec()))
+    held_out = corpus_batches(s, seed_offset=1)
+    return Prepared(
+        apply_fn=apply_fn,
+        params=params,
+        state=stabljax.TrainState.create(params, optimizer, precision=precision),
+        step=stabljax.make_train_step(apply_fn, optimizer, z_loss=s.z_loss, precision=precision),
+        put=batch_sharder(mesh, s.batch_size),
+        eval_set=[held_out(i) for i in range(s.eval_batches)],
+    )
+
+
 def train(
     s: Setup,
     optimizer=None,
@@ -398,20 +502,11 @@ def train(
 
     import stabljax
 
-    model, _ = build_model(s)
-    apply_fn, params = stabljax.nnx_apply(model)
-    aux_fn, _ = stabljax.nnx_apply(model, return_aux=True)
-    optimizer = optimizer if optimizer is not None else adamw(s)
-    precision = precision_of(s.precision)
-    mesh = data_mesh()
-    put = batch_sharder(mesh, s.batch_size)
+    run = prepare(s, optimizer)
+    aux_fn, _ = stabljax.nnx_apply(initial_model(s)[0], return_aux=True)
     batch_fn = batch_fn or corpus_batches(s)
-    held_out = corpus_batches(s, seed_offset=1)
-    eval_set = [held_out(i) for i in range(s.eval_batches)]
-    params = jax.device_put(params, jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec()))
-    init_loss = evaluate(apply_fn, params, eval_set, put)
-    state = stabljax.TrainState.create(params, optimizer, precision=precision)
-    step = stabljax.make_train_step(apply_fn, optimizer, z_loss=s.z_loss, precision=precision)
+    init_loss = run.evaluate(run.params)
+    state, step, put = run.state, run.step, run.put
     aux_jit = jax.jit(lambda p, x: aux_fn(p, x)[1]["max_attn_logit"])
     history, attn = [], []
     for i in range(s.steps):
@@ -427,9 +522,12 @@ def train(
     if attn:
         metrics["attn_step"] = np.array([i for i, _ in attn])
         metrics["max_attn_logit"] = np.array(jax.device_get([a for _, a in attn]))
-    eval_loss = evaluate(apply_fn, state.params, eval_set, put)
     return Run(
-        metrics=metrics, eval_loss=eval_loss, init_loss=init_loss, state=state, apply_fn=apply_fn
+        metrics=metrics,
+        eval_loss=run.evaluate(state.params),
+        init_loss=init_loss,
+        state=state,
+        apply_fn=run.apply_fn,
     )
 
 
@@ -439,7 +537,7 @@ def progress_bar(total: int, desc: str, *, disable: bool = False):
         from tqdm.auto import tqdm
     except ImportError:  # experiments extra not installed
         tqdm = None
-    if tqdm is None or disable:
+    if tqdm is None or disable or not is_primary():
 
         class _Null:
             def update(self, n=1):
@@ -461,7 +559,12 @@ def finite_or_nan(x: float) -> float:
 
 
 def save_figure(fig, path: pathlib.Path) -> None:
-    """Writes a matplotlib figure as PNG through a temporary file (never half-written)."""
+    """Writes a matplotlib figure as PNG through a temporary file (never half-written).
+
+    Process 0 alone writes in a multi-process run.
+    """
+    if not is_primary():
+        return
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(".tmp.png")
     fig.savefig(tmp, dpi=110, bbox_inches="tight")
@@ -841,16 +944,20 @@ def curve_summary(run: Run, every: int = 1) -> dict[str, Any]:
 def spike_steps(losses: Sequence[float], **detector_kwargs) -> list[int]:
     """Steps where :class:`stabljax.SpikeDetector` flags a loss spike (first of each episode).
 
-    A non-finite loss ends the scan and counts as one last spike at its step.
+    The detector, fed one loss a step as a training loop feeds it, answers every anomalous
+    step; consecutive anomalous steps are one episode, reported at its first step. A
+    non-finite loss ends the scan and counts as one last spike at its step.
     """
     import stabljax
 
-    det, out = stabljax.SpikeDetector(**detector_kwargs), []
+    det, out, inside = stabljax.SpikeDetector(**detector_kwargs), [], False
     for i, x in enumerate(map(float, losses)):
         if not math.isfinite(x):
             return [*out, i]
-        if det.update(i, {"loss": x}) is not None:
+        flagged = det.update(i, {"loss": x}) is not None
+        if flagged and not inside:
             out.append(i)
+        inside = flagged
     return out
 
 

@@ -70,7 +70,7 @@ def check(s: common.Setup, scheme: str, seed: int, apply_fn=None) -> stabljax.In
 
 def main(argv=None) -> dict:
     cfg, args = common.parse_config(Config, argv, __doc__.splitlines()[0], name="init")
-    common.init_distributed()
+    common.init_distributed(args)
     out = pathlib.Path(args.out)
     s = cfg.setup(lr=cfg.lr)
     trainer = common.Trainer(s)  # the scheme changes values, not shapes: one compile

@@ -45,8 +45,10 @@ class Config(common.SweepConfig):
 
     @classmethod
     def quick(cls):
+        # base and both: "both" runs the qk-layernorm and the z-loss code; one compile
+        # per arm is most of a quick run's time.
         base = common.SweepConfig.quick()
-        return cls(**dataclasses.asdict(base), lrs=(1e-2, 1.0), aux_every=2)
+        return cls(**dataclasses.asdict(base), lrs=(1e-2, 1.0), arms=("base", "both"), aux_every=2)
 
 
 def is_unstable(loss: float, best: float, init: float, frac: float) -> bool:
@@ -167,7 +169,7 @@ def plot_curves(cfg: Config, res: dict, lrs: list[float], path: pathlib.Path) ->
 
 def main(argv=None) -> dict:
     cfg, args = common.parse_config(Config, argv, __doc__.splitlines()[0], name="lr_sensitivity")
-    common.init_distributed()
+    common.init_distributed(args)
     out = pathlib.Path(args.out)
     res = run(cfg, progress=not args.no_progress)
     stable, unstable = stable_pair(cfg, res["rows"])

@@ -52,7 +52,7 @@ def precision(arm: str, cfg: Config):
 
 def main(argv=None) -> dict:
     cfg, args = common.parse_config(Config, argv, __doc__.splitlines()[0], name="precision")
-    common.init_distributed()
+    common.init_distributed(args)
     out = pathlib.Path(args.out)
     s = cfg.setup(lr=cfg.lr)
     trainers = {a: common.Trainer(s, precision=precision(a, cfg)) for a in cfg.arms}

@@ -54,6 +54,14 @@ class Config:
     max_skip_streak: int = 8
     spike_warmup: int = 50
     corpus: str | None = None
+    workdir: str | None = dataclasses.field(
+        default=None,
+        metadata={
+            "help": "checkpoint folder of the guarded arm, which must not exist yet; a "
+            "multi-process run needs one that every process sees (default: a fresh "
+            "temporary folder, single process only)"
+        },
+    )
 
     @classmethod
     def quick(cls) -> Config:
@@ -121,8 +129,6 @@ class Recorder:
 
 def run_arm(cfg: Config, arm: str, workdir: pathlib.Path, bar) -> dict:
     s = cfg.setup()
-    model, _ = common.build_model(s)
-    apply_fn, params = stabljax.nnx_apply(model)
     base = common.adamw(s)
     if arm == "guarded":
         optimizer = stabljax.skip_nonfinite(
@@ -130,9 +136,8 @@ def run_arm(cfg: Config, arm: str, workdir: pathlib.Path, bar) -> dict:
         )
     else:
         optimizer = base
-    mesh = common.data_mesh()
-    put = common.batch_sharder(mesh, s.batch_size)
-    params = jax.device_put(params, jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec()))
+    run = common.prepare(s, optimizer)
+    put, state = run.put, run.state
     clean_fn = common.corpus_batches(s)
     source = clean_fn if arm == "clean" else poisoned(clean_fn, cfg)
     fed: list[int] = []  # data index of every call, in call order
@@ -141,10 +146,7 @@ def run_arm(cfg: Config, arm: str, workdir: pathlib.Path, bar) -> dict:
         fed.append(i)
         return source(i)
 
-    step = Recorder(stabljax.make_train_step(apply_fn, optimizer, z_loss=s.z_loss))
-    state = stabljax.TrainState.create(params, optimizer)
-    held_out = common.corpus_batches(s, seed_offset=1)
-    eval_set = [held_out(i) for i in range(s.eval_batches)]
+    step = Recorder(run.step)
     t0 = time.perf_counter()
     out = {"arm": arm}
     if arm == "guarded":
@@ -197,22 +199,10 @@ def run_arm(cfg: Config, arm: str, workdir: pathlib.Path, bar) -> dict:
     out["guard_skips"] = int(
         sum(bool(m) for m in jax.device_get([m["skipped"] for m in step._metrics]))
     )
-    out["final_loss"] = common.evaluate(apply_fn, state.params, eval_set, put)
+    out["final_loss"] = run.evaluate(state.params)
     if arm != "guarded":
-        out["spikes"] = count_spikes(losses)
+        out["spikes"] = len(common.spike_steps(losses))
     return out
-
-
-def count_spikes(losses: np.ndarray) -> int:
-    """Spike episodes in a loss curve, by :class:`stabljax.SpikeDetector` (NaN counts once)."""
-    det, n, inside = stabljax.SpikeDetector(), 0, False
-    for i, x in enumerate(losses):
-        if not np.isfinite(x):
-            return n + 1
-        flagged = det.update(i, {"loss": float(x)}) is not None
-        n += flagged and not inside  # consecutive anomalous steps are one episode
-        inside = flagged
-    return n
 
 
 def plot(cfg: Config, arms: dict, path: pathlib.Path) -> None:
@@ -254,17 +244,40 @@ def plot(cfg: Config, arms: dict, path: pathlib.Path) -> None:
     plt.close(fig)
 
 
+def make_workdir(cfg: Config) -> pathlib.Path:
+    """The guarded arm's checkpoint folder: ``--workdir``, else a fresh temporary one.
+
+    The controller resumes from any checkpoint it finds, so a given folder must not exist
+    yet; every process checks before any of them writes. A temporary folder is private
+    to one process, so a multi-process run must name a shared one.
+    """
+    if cfg.workdir is None:
+        if jax.process_count() > 1:
+            raise ValueError(
+                "a multi-process run needs --workdir, a folder that every process sees"
+            )
+        return pathlib.Path(tempfile.mkdtemp(prefix="stabljax-spike-"))
+    from jax.experimental import multihost_utils
+
+    workdir = pathlib.Path(cfg.workdir)
+    if workdir.exists():
+        raise ValueError(f"--workdir {workdir} exists; the run would resume from it")
+    multihost_utils.sync_global_devices("spike_recovery: workdir checked")
+    return workdir
+
+
 def main(argv=None) -> dict:
     cfg, args = common.parse_config(Config, argv, __doc__.splitlines()[0], name="spike_recovery")
-    common.init_distributed()
+    common.init_distributed(args)
     out = pathlib.Path(args.out)
-    workdir = pathlib.Path(tempfile.mkdtemp(prefix="stabljax-spike-"))
+    workdir = make_workdir(cfg)
     bar = common.progress_bar(3 * cfg.steps, "spike_recovery", disable=args.no_progress)
     try:
         arms = {arm: run_arm(cfg, arm, workdir, bar) for arm in ("clean", "unguarded", "guarded")}
     finally:
         bar.close()
-        shutil.rmtree(workdir, ignore_errors=True)
+        if cfg.workdir is None:
+            shutil.rmtree(workdir, ignore_errors=True)
     clean = arms["clean"]["final_loss"]
     rows = []
     for name, r in arms.items():

@@ -41,7 +41,7 @@ class Config(common.SweepConfig):
 
 def main(argv=None) -> dict:
     cfg, args = common.parse_config(Config, argv, __doc__.splitlines()[0], name="warmup")
-    common.init_distributed()
+    common.init_distributed(args)
     out = pathlib.Path(args.out)
     trainers = {w: common.Trainer(cfg.setup(warmup_frac=w)) for w in cfg.warmups}
     cells = [

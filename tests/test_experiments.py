@@ -50,7 +50,6 @@ def _finite(x):
     return isinstance(x, int | float) and math.isfinite(x)
 
 
-@pytest.mark.slow  # 10-110 s of XLA compiling on 2 loaded cores; CI runs it after the default suite
 def test_lr_sensitivity(tmp_path):
     res, cfg = _run("lr_sensitivity", tmp_path)
     assert len(res["rows"]) == len(cfg["arms"]) * len(cfg["lrs"]) * len(cfg["seeds"])
@@ -62,14 +61,12 @@ def test_lr_sensitivity(tmp_path):
         assert _finite(r["init_loss"]) and _finite(r["max_attn_logit"]) and _finite(r["mean_log_z"])
 
 
-@pytest.mark.slow  # 10-110 s of XLA compiling on 2 loaded cores; CI runs it after the default suite
 def test_warmup(tmp_path):
     res, cfg = _run("warmup", tmp_path)
     assert {str(w) for w in cfg["warmups"]} == {str(float(k)) for k in res["sensitivity"]}
     assert len(res["rows"]) == len(cfg["warmups"]) * len(cfg["lrs"]) * len(cfg["seeds"])
 
 
-@pytest.mark.slow  # 10-110 s of XLA compiling on 2 loaded cores; CI runs it after the default suite
 def test_adam_eps(tmp_path):
     res, cfg = _run("adam_eps", tmp_path)
     arms = res["arms"]
@@ -87,7 +84,6 @@ def test_adam_eps(tmp_path):
     assert all(r["eps_fraction"] > 0.9 for r in tiny)
 
 
-@pytest.mark.slow  # 10-110 s of XLA compiling on 2 loaded cores; CI runs it after the default suite
 def test_clipping(tmp_path):
     res, cfg = _run("clipping", tmp_path)
     assert set(res["summary"]) == set(cfg["arms"])
@@ -95,7 +91,6 @@ def test_clipping(tmp_path):
         assert r["spikes"] == len(r["spike_steps"]) and r["steps_lost"] >= 0
 
 
-@pytest.mark.slow  # 10-110 s of XLA compiling on 2 loaded cores; CI runs it after the default suite
 def test_init_schemes(tmp_path):
     res, cfg = _run("init_schemes", tmp_path)
     assert len(res["rows"]) == len(cfg["schemes"]) * len(cfg["seeds"])
@@ -104,7 +99,6 @@ def test_init_schemes(tmp_path):
         assert len(r["residual_rms_end"]) == cfg["n_layers"] + 1
 
 
-@pytest.mark.slow  # 10-110 s of XLA compiling on 2 loaded cores; CI runs it after the default suite
 def test_precision(tmp_path):
     res, cfg = _run("precision", tmp_path)
     by_arm = {r["arm"]: r for r in res["rows"]}
