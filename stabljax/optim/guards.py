@@ -83,22 +83,6 @@ def _forwarded(loss: Any, extra_args: dict[str, Any]) -> dict[str, Any]:
     return extra_args if loss is None else {**extra_args, "loss": loss}
 
 
-def _all_finite(tree: Any) -> jax.Array:
-    """One global bool: every inexact leaf of ``tree`` is finite (True for an empty tree).
-
-    Each leaf is reduced as ``isfinite(sum(x - x))``: ``x - x`` is an exact zero for a finite
-    ``x`` and NaN for NaN or Inf, so the sum is 0 or NaN and can never overflow. A float sum
-    fuses with whatever produced ``x`` into one pass on every XLA backend, where
-    ``all(isfinite(x))`` materializes a boolean array first on XLA:CPU.
-    """
-    checks = [
-        jnp.isfinite(jnp.sum(x - x))
-        for x in jax.tree.leaves(tree)
-        if jnp.issubdtype(jnp.result_type(x), jnp.inexact)
-    ]
-    return functools.reduce(jnp.logical_and, checks, jnp.array(True))
-
-
 def _norm_finite(tree: Any) -> jax.Array:
     """Whether the float32 global norm of ``tree`` is finite (True for an empty tree).
 
@@ -120,7 +104,7 @@ _FINITE_OUTPUT: weakref.WeakSet = weakref.WeakSet()
 
 
 def _probe_finite(tree: Any) -> jax.Array:
-    """Like :func:`_all_finite`, for a tree computed only to be checked (the inner update).
+    """Whether every inexact leaf is finite, for a tree computed only to be checked.
 
     ``all(isfinite(x))`` lets XLA fuse the whole computation of ``x`` into the check, which
     then writes one byte per value at most; a float sum would fuse only simple producers
@@ -140,7 +124,9 @@ def _update_unless(skip, inner, updates, inner_state, params, extra_args):
     The update is computed a second time from inputs passed through an optimization
     barrier: the first evaluation (the probe) is only reduced to the decision and fuses
     into one read pass, this one into the read-and-write pass of the update. Computed once,
-    the update would have two consumers and XLA would materialize its intermediates.
+    the update would have two consumers and XLA would materialize its intermediates. (The
+    barrier only keeps CSE from merging the two evaluations: XLA:CPU expands barriers
+    before fusion, so it cannot order fusions.)
     """
     fresh = jax.lax.optimization_barrier(updates)
     new_updates, new_inner = inner.update(fresh, inner_state, params, **extra_args)
