@@ -129,6 +129,16 @@ def _parse_bool(s: str) -> bool:
     raise argparse.ArgumentTypeError(f"expected a boolean, got {s!r}")
 
 
+class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Shows defaults, except ``None``: config fields default to ``None`` on the command
+    line (unset, so ``--quick`` can fill them) and state their real default in their help."""
+
+    def _get_help_string(self, action):
+        if action.default is None:
+            return action.help
+        return super()._get_help_string(action)
+
+
 def parse_config(cls: type, argv: Sequence[str] | None, description: str, *, name: str):
     """Builds an argparse CLI from a frozen dataclass; returns (config, args).
 
@@ -137,9 +147,7 @@ def parse_config(cls: type, argv: Sequence[str] | None, description: str, *, nam
     (default ``experiments/results/<name>``).
     """
     hints = typing.get_type_hints(cls)
-    p = argparse.ArgumentParser(
-        description=description, formatter_class=argparse.ArgumentDefaultsHelpFormatter
-    )
+    p = argparse.ArgumentParser(description=description, formatter_class=_HelpFormatter)
     p.add_argument("--quick", action="store_true", help="tiny smoke-run configuration")
     p.add_argument("--out", default=str(RESULTS / name), help="results folder")
     p.add_argument("--no-progress", action="store_true", help="hide the progress bar")
