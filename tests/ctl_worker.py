@@ -11,6 +11,7 @@ processes (``--process-id``, gloo collectives, 2 CPU devices each).
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import signal
@@ -45,8 +46,11 @@ def batch_fn_factory(bad=(), nan=(), *, seed: int = 0, drift_from: int | None = 
     return batch_fn
 
 
-def make_toy(optimizer=None, *, extra: int = 0):
-    """Returns ``(init_state, train_step)``; ``extra`` floats of ballast make saves slow."""
+def make_toy(optimizer=None, *, extra: int = 0, donate: bool = False):
+    """Returns ``(init_state, train_step)``; ``extra`` floats of ballast make saves slow.
+
+    With ``donate`` the train step donates the state it is given, as real ones do.
+    """
     import flax.struct
     import jax
     import jax.numpy as jnp
@@ -67,7 +71,7 @@ def make_toy(optimizer=None, *, extra: int = 0):
         pred = batch["x"] @ params["w"] + params["b"]
         return jnp.mean((pred - batch["y"]) ** 2)
 
-    @jax.jit
+    @functools.partial(jax.jit, donate_argnums=(0,) if donate else ())
     def train_step(state, batch):
         loss, grads = jax.value_and_grad(loss_fn)(state.params, batch)
         updates, opt_state = opt.update(grads, state.opt_state, state.params, loss=loss)
@@ -104,7 +108,7 @@ def _train(args) -> int:
 
     from stabljax.control import IndexedBatches, RollbackController
 
-    state, train_step = make_toy(extra=args.extra)
+    state, train_step = make_toy(extra=args.extra, donate=args.background)
     ctl = RollbackController(
         args.dir,
         save_every=args.save_every,
@@ -113,6 +117,7 @@ def _train(args) -> int:
         detectors=toy_detectors(),
         max_rollbacks=20,
         async_save=not args.sync,
+        background_save=args.background,
     )
     batch_fn = batch_fn_factory(_ints(args.bad))
     state, data = ctl.restore_or_init(state, IndexedBatches(batch_fn))
@@ -202,6 +207,7 @@ def main(argv=None) -> int:
     p.add_argument("--save-every", type=int, default=10)
     p.add_argument("--extra", type=int, default=0, help="ballast floats (slower saves)")
     p.add_argument("--sync", action="store_true", help="synchronous saves")
+    p.add_argument("--background", action="store_true", help="background_save, donating step")
     p.add_argument("--kill-at-save", type=int, default=0, help="SIGKILL self after N saves")
     p.add_argument("--process-id", type=int, default=None)
     p.add_argument("--port", type=int, default=0)

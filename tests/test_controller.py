@@ -15,6 +15,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
 import warnings
 
@@ -290,10 +291,11 @@ def _check_resumed_run(directory, out, reference):
     assert leftovers == []
 
 
-def test_sigkill_right_after_an_async_save_resumes_exactly(tmp_path, reference):
+@pytest.mark.parametrize("mode", [[], ["--background"]], ids=["async", "background"])
+def test_sigkill_right_after_an_async_save_resumes_exactly(tmp_path, reference, mode):
     d, out = tmp_path / "ckpt", tmp_path / "final.npz"
     # The 6th save is step 40 after the first rollback; 8 MB of ballast keeps it in flight.
-    rc, err = _worker(d, out, "--kill-at-save", "6", "--extra", "2000000")
+    rc, err = _worker(d, out, "--kill-at-save", "6", "--extra", "2000000", *mode)
     assert rc == -signal.SIGKILL, err[-2000:]
     assert not out.exists()
     # Restart here (the same job in this process: a second interpreter start is slow).
@@ -630,3 +632,120 @@ def test_deleted_checkpoints_are_removed_in_the_background_and_crash_leftovers_o
     assert ctl.current_step == 60
     ctl.close()
     assert not (tmp_path / "stabljax-trash.0123abcd").exists()
+
+
+# ------------------------------------------------------------------- background saves
+
+
+def test_background_save_runs_like_the_foreground_with_a_donating_step(tmp_path, reference):
+    ref_ctl, ref_state, ref_data = reference
+    state0, step = make_toy(donate=True)
+    ctl, state, data = _run(
+        tmp_path, 120, batch_fn_factory(BAD), state=state0, step=step, background_save=True
+    )
+    chex.assert_trees_all_equal(_host(state.params), _host(ref_state.params))
+    assert ctl.skipped_ranges == ref_ctl.skipped_ranges and data.index == ref_data.index
+    assert ctl.rollbacks == ref_ctl.rollbacks
+
+    # The same events (a background save's event may come after a later step's).
+    def key(e):
+        return (e.step, e.kind)
+
+    assert sorted(map(key, ctl.events)) == sorted(map(key, ref_ctl.events))
+    assert sorted(map(key, read_events(tmp_path / "events.jsonl"))) == sorted(map(key, ctl.events))
+    assert ctl.checkpoint_steps() == [100, 110, 120]
+    # Each checkpoint holds its own step's state (the step donated it meanwhile), data
+    # position and ledger: the same as the foreground run's checkpoint of that step.
+    for step_no in (100, 120):
+        got = _restore_copy(tmp_path, step_no, tmp_path / f"bg{step_no}")
+        want = _restore_copy(ref_ctl.directory, step_no, tmp_path / f"fg{step_no}")
+        chex.assert_trees_all_equal(got[0], want[0])
+        assert got[1:] == want[1:] and got[1] == step_no
+
+
+def _restore_copy(directory, step_no, scratch, data=None):
+    """(host state, step, data index, skipped ranges) restored from checkpoint ``step_no``."""
+    shutil.copytree(directory, scratch)
+    for p in scratch.iterdir():
+        if p.name.isdigit() and int(p.name) > step_no:
+            shutil.rmtree(p)
+    (scratch / "stabljax-rollback.json").unlink(missing_ok=True)
+    ctl = _controller(scratch)
+    data = IndexedBatches(batch_fn_factory(BAD)) if data is None else data
+    state, data = ctl.restore_or_init(make_toy()[0], data)
+    ctl.close()
+    return _host(state), ctl.current_step, data.index, ctl.skipped_ranges
+
+
+def test_a_failed_background_save_raises_at_the_next_wait_and_writes_nothing(tmp_path):
+    _, step = make_toy()
+
+    def double_step(state, batch):  # counts two steps per call: the save's check fails
+        state, metrics = step(state, batch)
+        return state.replace(step=state.step + 1), metrics
+
+    ctl = _controller(tmp_path, background_save=True)
+    state, data = ctl.restore_or_init(STATE0, IndexedBatches(batch_fn_factory()))
+    with pytest.raises(ValueError, match="state.step is 20 but the controller counted 10"):
+        while ctl.current_step < 30:
+            state, metrics = double_step(state, next(data))
+            state, data = ctl.step(state, metrics, data)
+    assert ctl.current_step == 20  # raised by the next save's wait
+    assert ctl.checkpoint_steps() == [0]
+    assert [e.kind for e in ctl.events] == ["save"]
+    ctl.close()
+
+
+def test_a_background_save_keeps_the_position_and_ledger_of_its_step(tmp_path):
+    """The worker writes what the loop had at the save step, though it ran on since."""
+    fn = batch_fn_factory()
+    ctl = _controller(tmp_path, background_save=True)
+    state, data = ctl.restore_or_init(STATE0, _grain_map(fn))
+    gate, entered = threading.Event(), threading.Event()
+    write = ctl._write_snapshot
+
+    def held(*args):
+        entered.set()
+        assert gate.wait(60)
+        return write(*args)
+
+    ctl._write_snapshot = held
+    while ctl.current_step < 15:  # the step-10 save waits in the worker meanwhile
+        state, metrics = STEP(state, next(data))
+        state, data = ctl.step(state, metrics, data)
+    assert entered.wait(60)
+    gate.set()
+    ctl._write_snapshot = write
+    assert ctl.checkpoint_steps() == [0, 10]
+    ctl.close()
+    got = _restore_copy(tmp_path, 10, tmp_path / "copy", _grain_map(fn))
+    assert got[1:] == (10, 10, [])
+    grain_file = tmp_path / "10" / "data" / "process_0-of-1.json"
+    assert json.loads(grain_file.read_text()) == {"next_index": 10}
+
+
+def test_background_save_needs_one_process(tmp_path, monkeypatch):
+    monkeypatch.setattr(jax, "process_count", lambda: 2)
+    with pytest.raises(ValueError, match="background_save=True needs a single process, got 2"):
+        RollbackController(tmp_path, background_save=True)
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="per-thread nice is Linux's")
+def test_background_save_threads_run_at_the_lowest_priority(tmp_path):
+    ctl = _controller(tmp_path, background_save=True)
+    state, data = ctl.restore_or_init(STATE0, IndexedBatches(batch_fn_factory()))
+    for _ in range(10):
+        state, metrics = STEP(state, next(data))
+        state, data = ctl.step(state, metrics, data)
+
+    def nices():
+        child = []
+        t = threading.Thread(
+            target=lambda: child.append(os.getpriority(os.PRIO_PROCESS, threading.get_native_id()))
+        )
+        t.start(), t.join()
+        return os.getpriority(os.PRIO_PROCESS, threading.get_native_id()), child[0]
+
+    assert ctl._saver.submit(nices).result() == (19, 19)  # the thread and one it starts
+    assert os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) == 0  # not the caller
+    ctl.close()

@@ -1,13 +1,16 @@
 """Benchmark 3: steps per second of a loop driven by ``RollbackController.step``.
 
 The same jitted train step of the reference model (``make_train_step``) runs ``steps``
-times in a bare loop (``state, metrics = step(state, next(data))``) and in a loop that
-also calls ``ctl.step(state, metrics, data)`` with asynchronous Orbax saves every
-``save_every`` steps (the last at the last step). Each loop is timed until its final
-state is ready; the controlled loop's ``ctl.finish`` (reading the last metrics and
-waiting for the last save's write, a one-off cost per run) is timed on its own and
-reported as seconds and as a second ratio with it included. Rounds alternate bare /
-controlled; ratios are of the median steps per second.
+times in a bare loop (``state, metrics = step(state, next(data))``) and in loops that
+also call ``ctl.step(state, metrics, data)`` with asynchronous Orbax saves every
+``save_every`` steps (the last at the last step): "controlled" with the default
+``RollbackController`` (Orbax's device-to-host copy and setup block the loop), and
+"controlled+background" with ``background_save=True`` (a device copy of the state is
+saved by a low-priority worker thread). Each loop is timed until its final state is
+ready; ``ctl.finish`` (reading the last metrics and waiting for the last save's write,
+a one-off cost per run) is timed on its own and reported as seconds and as a second
+ratio with it included. Rounds alternate bare / controlled / controlled+background;
+ratios are of the median steps per second.
 
     python -m experiments.bench.controller [--quick] [--steps 200 --save-every 50]
 """
@@ -32,7 +35,7 @@ from experiments.common import (
     corpus_batches,
 )
 
-TARGETS = {"steps_per_s_controlled/bare": 0.97}
+TARGETS = {"steps_per_s_controlled/bare": 0.97, "steps_per_s_controlled+background/bare": 0.97}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -97,10 +100,13 @@ def run(cfg: Config) -> tuple[list[dict], dict]:
         jax.block_until_ready((state, metrics))
         return cfg.steps / (time.perf_counter() - t0)
 
-    def controlled() -> float:
+    def controlled(background: bool) -> float:
+        name = "controlled+background" if background else "controlled"
         directory = tempfile.mkdtemp(prefix="stabljax-bench-ctl-")
         try:
-            ctl = stabljax.RollbackController(directory, save_every=cfg.save_every, async_save=True)
+            ctl = stabljax.RollbackController(
+                directory, save_every=cfg.save_every, background_save=background
+            )
             state, data = ctl.restore_or_init(fresh(), stabljax.IndexedBatches(batch_fn))
             ctl._manager.wait_until_finished()  # the step-0 save is setup, not the loop
             jax.block_until_ready(state)
@@ -114,35 +120,42 @@ def run(cfg: Config) -> tuple[list[dict], dict]:
             jax.block_until_ready(state)
             t2 = time.perf_counter()
             ctl.close()
-            finish_s.append(t2 - t1)
-            with_finish.append(cfg.steps / (t2 - t0))
+            finish_s[name].append(t2 - t1)
+            with_finish[name].append(cfg.steps / (t2 - t0))
             return cfg.steps / (t1 - t0)
         finally:
             shutil.rmtree(directory, ignore_errors=True)
 
-    samples: dict[str, list[float]] = {"bare": [], "controlled": []}
-    finish_s: list[float] = []
-    with_finish: list[float] = []
-    controlled()  # warm Orbax's own compilations and threads
-    finish_s.clear()
-    with_finish.clear()
+    modes = {"controlled": False, "controlled+background": True}
+    samples: dict[str, list[float]] = {"bare": [], **{m: [] for m in modes}}
+    finish_s: dict[str, list[float]] = {m: [] for m in modes}
+    with_finish: dict[str, list[float]] = {m: [] for m in modes}
+    for background in modes.values():  # warm Orbax's own compilations and threads
+        controlled(background)
+    for m in modes:
+        finish_s[m].clear()
+        with_finish[m].clear()
     for _ in range(cfg.rounds):
         samples["bare"].append(bare())
-        samples["controlled"].append(controlled())
+        for m, background in modes.items():
+            samples[m].append(controlled(background))
     med = {k: statistics.median(v) for k, v in samples.items()}
-    med["controlled+finish"] = statistics.median(with_finish)
+    for m in modes:
+        med[f"{m}, with finish"] = statistics.median(with_finish[m])
     rows = [
         {"loop": k, "steps/s": v, "ms/step": 1e3 / v, "rounds": cfg.rounds} for k, v in med.items()
     ]
     ratios = {
         "steps_per_s_controlled/bare": med["controlled"] / med["bare"],
-        "steps_per_s_controlled+finish/bare": med["controlled+finish"] / med["bare"],
-        "finish_s": statistics.median(finish_s),
+        "steps_per_s_controlled+background/bare": med["controlled+background"] / med["bare"],
     }
+    for m in modes:
+        ratios[f"steps_per_s_{m}_with_finish/bare"] = med[f"{m}, with finish"] / med["bare"]
+        ratios[f"finish_s_{m}"] = statistics.median(finish_s[m])
     n_params = sum(x.size for x in jax.tree.leaves(params))
     return rows, {
         "steps_per_s": med,
-        "samples": {**samples, "controlled+finish": with_finish, "finish_s": finish_s},
+        "samples": {**samples, "with_finish": with_finish, "finish_s": finish_s},
         "ratios": ratios,
         "targets": TARGETS,
         "n_params": int(n_params),

@@ -15,6 +15,7 @@ import dataclasses
 import json
 import math
 import os
+import threading
 import time
 from collections.abc import Iterator, Mapping
 from typing import Any, Literal, get_args
@@ -198,12 +199,14 @@ class EventLog:
         self.path = None if path is None else os.fspath(path)
         self.write = write
         self._events: list[Event] = []
+        self._lock = threading.Lock()  # a background save logs from its own thread
 
     def append(self, event: Event) -> None:
-        """Records ``event`` (and appends it to the file)."""
-        self._events.append(event)
-        if self.path is not None and self.write:
-            append_line(self.path, event.to_json())
+        """Records ``event`` (and appends it to the file); safe from several threads."""
+        with self._lock:
+            self._events.append(event)
+            if self.path is not None and self.write:
+                append_line(self.path, event.to_json())
 
     def count(self, kind: str) -> int:
         """The number of events of ``kind`` recorded so far."""
