@@ -56,6 +56,7 @@ from stabljax.step import TrainState as TrainState
 from stabljax.step import make_train_step as make_train_step
 from stabljax.step import nnx_apply as nnx_apply
 from stabljax.step import nnx_merge as nnx_merge
+from stabljax.step import recommended_compiler_options as recommended_compiler_options
 from stabljax.telemetry import adam_eps_report as adam_eps_report
 from stabljax.telemetry import layer_metrics_to_host as layer_metrics_to_host
 
@@ -108,6 +109,7 @@ __all__ = (
     "nnx_apply",
     "nnx_merge",
     "read_events",
+    "recommended_compiler_options",
     "safe_adam",
     "safe_adamw",
     "scale_by_adam_atan2",

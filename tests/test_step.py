@@ -20,7 +20,13 @@ from stabljax.data import default_corpus, lm_batch_fn
 from stabljax.losses import cross_entropy_with_z_loss
 from stabljax.optim.guards import skip_nonfinite, skip_spikes
 from stabljax.precision import DynamicLossScale, Precision
-from stabljax.step import TrainState, make_train_step, nnx_apply, nnx_merge
+from stabljax.step import (
+    TrainState,
+    make_train_step,
+    nnx_apply,
+    nnx_merge,
+    recommended_compiler_options,
+)
 
 V, D, H = 256, 16, 32
 NAN_TOKEN, SPIKE_TOKEN = -1, -2  # never in the byte corpus; see poisonable_apply
@@ -300,6 +306,37 @@ def test_bad_arguments_raise():
         make_train_step(tiny_apply, optax.sgd(0.1), z_loss=-1.0)
     with pytest.raises(ValueError, match="precision"):
         make_train_step(tiny_apply, optax.sgd(0.1), precision="bf16")
+    with pytest.raises(ValueError, match="compiler_options must be None or a mapping.*got str"):
+        make_train_step(tiny_apply, optax.sgd(0.1), compiler_options="fast")
+
+
+def _state_sized_copies(step, state) -> int:
+    """Copy instructions on arrays the size of a parameter, in the compiled step."""
+    text = step.lower(state, batch(0)).compile().as_text()
+    entry = text[text.index("\nENTRY") :]
+    sizes = {f"f32[{','.join(map(str, x.shape))}]" for x in jax.tree.leaves(state.params)}
+    return sum(
+        1 for line in entry.splitlines() if " copy(" in line and any(z in line for z in sizes)
+    )
+
+
+def test_cpu_compiler_options_remove_the_state_copies_and_change_no_result():
+    """XLA:CPU's default copy insertion copies the guarded update's donated moments."""
+    assert jax.default_backend() == "cpu"
+    auto = make_train_step(
+        poisonable_apply, GUARDED, compiler_options=recommended_compiler_options("cpu")
+    )
+    plain = make_train_step(poisonable_apply, GUARDED)
+    s_auto = TrainState.create(tiny_params(), GUARDED)
+    s_plain = TrainState.create(tiny_params(), GUARDED)
+    assert _state_sized_copies(plain, s_plain) > 0  # the control: XLA's default copies
+    assert _state_sized_copies(auto, s_auto) == 0
+    for i, poison in [(0, None), (1, None), (2, NAN_TOKEN), (3, None)]:
+        s_auto, m_auto = auto(s_auto, batch(i, poison))
+        s_plain, m_plain = plain(s_plain, batch(i, poison))
+        assert bool(m_auto["skipped"]) == (poison is not None)
+        assert_bitwise_equal(host(s_auto), host(s_plain))
+        assert_bitwise_equal(host(m_auto), host(m_plain))
 
 
 # --------------------------------------------------------------------------- donation, retracing

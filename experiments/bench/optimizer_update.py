@@ -4,7 +4,10 @@ A = ``optax.chain(clip_by_global_norm(1.0), adamw)``;
 B = ``skip_nonfinite(skip_spikes(chain(clip_by_zscore(), safe_adamw)))``;
 C = ``adamw_atan2``. Reports XLA's bytes accessed and flops, the median wall time of
 interleaved runs, the ratios B/A and C/A, and the achieved bandwidth of each update
-against a copy bandwidth measured in the same run (the memory-bound limit).
+against a copy bandwidth measured in the same run (the memory-bound limit). Each
+optimizer is compiled with XLA's defaults and, on XLA:CPU, also with
+``stabljax.recommended_compiler_options()`` (suffix ``(cpu_options)``), all timed in one
+round-robin.
 
     python -m experiments.bench.optimizer_update [--quick] [--log2-params 24]
 """
@@ -13,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import sys
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -53,6 +57,21 @@ def optimizers(lr: float) -> dict[str, optax.GradientTransformation]:
     }
 
 
+def compile_modes() -> dict[str, dict[str, Any] | None]:
+    """The compile settings each optimizer is measured under, by name.
+
+    Always XLA's defaults; on XLA:CPU also ``stabljax.recommended_compiler_options()``.
+    """
+    modes: dict[str, dict[str, Any] | None] = {"default": None}
+    if jax.default_backend() == "cpu":
+        modes["cpu_options"] = stabljax.recommended_compiler_options("cpu")
+    return modes
+
+
+def _suffix(mode: str) -> str:
+    return "" if mode == "default" else f" ({mode})"
+
+
 def run(cfg: Config) -> tuple[list[dict], dict]:
     n = 2**cfg.log2_params
     per = n // cfg.n_leaves
@@ -63,60 +82,78 @@ def run(cfg: Config) -> tuple[list[dict], dict]:
     }
     loss = jnp.float32(1.0)
 
+    modes = compile_modes()
     runners, costs, results = {}, {}, {}
-    for name, opt in optimizers(cfg.lr).items():
-        opt = optax.with_extra_args_support(opt)
+    for mode, options in modes.items():
+        for name, opt in optimizers(cfg.lr).items():
+            opt = optax.with_extra_args_support(opt)
 
-        def update(params, state, grads, loss, opt=opt):
-            updates, state = opt.update(grads, state, params, loss=loss)
-            return optax.apply_updates(params, updates), state
+            def update(params, state, grads, loss, opt=opt):
+                updates, state = opt.update(grads, state, params, loss=loss)
+                return optax.apply_updates(params, updates), state
 
-        f = jax.jit(update, donate_argnums=(0, 1))
-        params = jax.tree.map(jnp.copy, params0)
-        state = opt.init(params)
-        costs[name] = compiled_cost(f.lower(params, state, grads, loss).compile())
-        box = [params, state]
+            f = jax.jit(update, donate_argnums=(0, 1), compiler_options=options)
+            params = jax.tree.map(jnp.copy, params0)
+            state = opt.init(params)
+            compiled = f.lower(params, state, grads, loss).compile()
+            key = (mode, name)
+            costs[key] = compiled_cost(compiled)
+            box = [params, state]
 
-        def call(f=f, box=box):
-            box[0], box[1] = f(box[0], box[1], grads, loss)
-            return box[0]
+            def call(compiled=compiled, box=box):
+                box[0], box[1] = compiled(box[0], box[1], grads, loss)
+                return box[0]
 
-        runners[name] = call
+            runners[key] = call
     # The copy is timed in the same round-robin, so it sees the same machine noise.
     walls = interleaved_medians({**runners, "copy": copy_runner(n)}, repeats=cfg.repeats)
     bw = copy_bytes(n) / walls.pop("copy")
     # The least any Adam update can move: read params, grads, mu, nu; write params, mu, nu.
     min_bytes = 7 * 4 * n
     rows = []
-    for name in runners:
-        achieved = costs[name]["bytes"] / walls[name]
-        results[name] = {
-            **costs[name],
-            "wall_s": walls[name],
+    for (mode, name), cost in costs.items():
+        wall = walls[(mode, name)]
+        achieved = cost["bytes"] / wall
+        results.setdefault(mode, {})[name] = {
+            **cost,
+            "wall_s": wall,
             "bytes_per_s": achieved,
-            "min_bytes_per_s": min_bytes / walls[name],
+            "min_bytes_per_s": min_bytes / wall,
         }
         rows.append(
             {
+                "compile": mode,
                 "optimizer": name,
-                "bytes accessed": costs[name]["bytes"],
-                "flops": costs[name]["flops"],
-                "wall ms": 1e3 * walls[name],
+                "bytes accessed": cost["bytes"],
+                "flops": cost["flops"],
+                "wall ms": 1e3 * wall,
                 "bytes/s": achieved,
                 "of copy bw": achieved / bw,
-                "7N floats/s of copy bw": min_bytes / walls[name] / bw,
+                "7N floats/s of copy bw": min_bytes / wall / bw,
             }
         )
-    ratios = {
-        "bytes_B/A": costs["B"]["bytes"] / costs["A"]["bytes"],
-        "bytes_C/A": costs["C"]["bytes"] / costs["A"]["bytes"],
-        "wall_B/A": walls["B"] / walls["A"],
-        "wall_C/A": walls["C"] / walls["A"],
-        "bandwidth_B": results["B"]["bytes_per_s"] / bw,
-        "bandwidth_B_min_bytes": results["B"]["min_bytes_per_s"] / bw,
-        "copy_bytes_per_s": bw,
+    ratios = {}
+    for mode, r in results.items():
+        sfx = _suffix(mode)
+        ratios.update(
+            {
+                f"bytes_B/A{sfx}": r["B"]["bytes"] / r["A"]["bytes"],
+                f"bytes_C/A{sfx}": r["C"]["bytes"] / r["A"]["bytes"],
+                f"wall_B/A{sfx}": r["B"]["wall_s"] / r["A"]["wall_s"],
+                f"wall_C/A{sfx}": r["C"]["wall_s"] / r["A"]["wall_s"],
+                f"bandwidth_B{sfx}": r["B"]["bytes_per_s"] / bw,
+                f"bandwidth_B_min_bytes{sfx}": r["B"]["min_bytes_per_s"] / bw,
+            }
+        )
+    ratios["copy_bytes_per_s"] = bw
+    targets = {f"{k}{_suffix(m)}": v for m in modes for k, v in TARGETS.items()}
+    return rows, {
+        "per_optimizer": results,
+        "compile_options": modes,
+        "ratios": ratios,
+        "targets": targets,
+        "n_params": n,
     }
-    return rows, {"per_optimizer": results, "ratios": ratios, "targets": TARGETS, "n_params": n}
 
 
 def main(argv=None) -> dict:
@@ -127,7 +164,7 @@ def main(argv=None) -> dict:
         argv,
         description=__doc__.splitlines()[0],
         stem="optimizer_update",
-        targets=TARGETS,
+        targets={f"{k}{_suffix(m)}": v for m in compile_modes() for k, v in TARGETS.items()},
         title=lambda cfg, r: f"Optimizer update, 2^{cfg.log2_params} float32 parameters",
     )
 
