@@ -161,6 +161,26 @@ def test_skip_nonfinite_inf_in_inner_output_skips():
     assert int(state1.inner_state[0][0].count) == 0
 
 
+@pytest.mark.parametrize("shape", [(), (1,), (3,), (4,), (2, 6), (3, 5), (2, 3, 4)])
+def test_skip_nonfinite_finds_one_nonfinite_inner_value_at_any_position(shape):
+    # The probe ANDs adjacent pairs along the last axis before reducing: every position,
+    # odd and even, first and last, must still count. The inner update is g * params.
+    inner = optax.stateless(lambda u, p: jax.tree.map(jnp.multiply, u, p))
+    opt = skip_nonfinite(inner)
+    step = jit_update(opt)
+    grads = {"w": jnp.ones(shape)}
+    state = opt.init(grads)
+    _, s = step(grads, state, {"w": jnp.full(shape, 2.0)})
+    assert not bool(s.nonfinite_skipped)  # the control
+    for i in range(int(np.prod(shape))):
+        for bad in (np.inf, -np.inf, np.nan):
+            p = np.full(int(np.prod(shape)), 2.0, np.float32)
+            p[i] = bad
+            u, s = step(grads, state, {"w": jnp.asarray(p.reshape(shape))})
+            assert bool(s.nonfinite_skipped), (i, bad)
+            assert_exact_zeros(u)
+
+
 def test_skip_nonfinite_skips_finite_gradients_whose_float32_norm_overflows():
     # The gradients are checked through their float32 global norm: float32 max is
     # 3.40e38, so a norm of 3e19 (norm² 9e38) overflows while 1.5e19 (norm² 2.25e38) does not.
