@@ -6,7 +6,9 @@ The ``stabljax`` rows are :func:`stabljax.make_train_step` with z-loss and every
 ``stabljax-plain-opt`` with the same optimizer (the cost of the step's losses and
 metrics), ``stabljax-guarded`` with ``skip_nonfinite(skip_spikes(chain(clip_by_zscore(),
 safe_adamw)))`` (losses, metrics and guards), once with ``layer_metrics=False`` and once
-with ``True``. All are timed round-robin in one process; ratios are against ``plain``.
+with ``True``. On XLA:CPU, ``plain`` and ``stabljax-guarded`` are also compiled with
+``stabljax.recommended_compiler_options()`` (suffix ``(cpu_options)``, compared with each
+other). All are timed round-robin in one process; ratios are against ``plain``.
 
     python -m experiments.bench.train_step [--quick] [--d-model 384 --n-layers 6]
 """
@@ -29,7 +31,7 @@ from experiments.common import (
     corpus_batches,
 )
 
-TARGETS = {"wall_guarded/plain": 1.03}
+TARGETS = {"wall_guarded/plain": 1.03, "wall_guarded/plain (cpu_options)": 1.03}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -49,12 +51,12 @@ class Config:
         return cls(d_model=32, n_layers=1, n_heads=2, seq_len=16, batch_size=2, repeats=2)
 
 
-def _plain_step(apply_fn, opt):
+def _plain_step(apply_fn, opt, compiler_options=None):
     def loss_fn(params, batch):
         logits = apply_fn(params, batch["inputs"])
         return optax.softmax_cross_entropy_with_integer_labels(logits, batch["targets"]).mean()
 
-    @functools.partial(jax.jit, donate_argnums=(0, 1))
+    @functools.partial(jax.jit, donate_argnums=(0, 1), compiler_options=compiler_options)
     def step(params, opt_state, batch):
         loss, grads = jax.value_and_grad(loss_fn)(params, batch)
         updates, opt_state = opt.update(grads, opt_state, params)
@@ -90,28 +92,41 @@ def run(cfg: Config) -> tuple[list[dict], dict]:
 
     runners, costs = {}, {}
 
-    # Hand-written plain step.
-    opt = plain_opt()
-    step = _plain_step(apply_fn, opt)
-    params = jax.tree.map(jax.numpy.copy, params0)
-    box = [params, opt.init(params)]
-    costs["plain"] = compiled_cost(step.lower(box[0], box[1], batch).compile())
+    # On XLA:CPU the plain and the guarded step are also compiled with
+    # stabljax.recommended_compiler_options(), both (a ratio of like to like).
+    cpu = jax.default_backend() == "cpu"
+    options = stabljax.recommended_compiler_options("cpu") if cpu else None
+    plain_modes = {"plain": None, **({"plain (cpu_options)": options} if cpu else {})}
+    for name, compiler_options in plain_modes.items():
+        opt = plain_opt()
+        step = _plain_step(apply_fn, opt, compiler_options)
+        params = jax.tree.map(jax.numpy.copy, params0)
+        box = [params, opt.init(params)]
+        costs[name] = compiled_cost(step.lower(box[0], box[1], batch).compile())
 
-    def call_plain(step=step, box=box):
-        box[0], box[1], loss = step(box[0], box[1], batch)
-        return loss
+        def call_plain(step=step, box=box):
+            box[0], box[1], loss = step(box[0], box[1], batch)
+            return loss
 
-    runners["plain"] = call_plain
+        runners[name] = call_plain
 
     variants = {
-        "stabljax-plain-opt": (plain_opt, False),
-        "stabljax-guarded": (guarded_opt, False),
-        "stabljax-guarded+layers": (guarded_opt, True),
+        "stabljax-plain-opt": (plain_opt, False, None),
+        "stabljax-guarded": (guarded_opt, False, None),
+        "stabljax-guarded+layers": (guarded_opt, True, None),
     }
-    for name, (make_opt, layers) in variants.items():
+    if cpu:
+        variants["stabljax-guarded (cpu_options)"] = (guarded_opt, False, options)
+    for name, (make_opt, layers, compiler_options) in variants.items():
         opt = make_opt()
         state = stabljax.TrainState.create(jax.tree.map(jax.numpy.copy, params0), opt)
-        step = stabljax.make_train_step(apply_fn, opt, z_loss=cfg.z_loss, layer_metrics=layers)
+        step = stabljax.make_train_step(
+            apply_fn,
+            opt,
+            z_loss=cfg.z_loss,
+            layer_metrics=layers,
+            compiler_options=compiler_options,
+        )
         costs[name] = compiled_cost(step.lower(state, batch).compile())
         sbox = [state]
 
@@ -139,6 +154,12 @@ def run(cfg: Config) -> tuple[list[dict], dict]:
         "wall_guarded/plain": walls["stabljax-guarded"] / walls["plain"],
         "wall_guarded+layers/plain": walls["stabljax-guarded+layers"] / walls["plain"],
     }
+    if cpu:
+        guarded, plain = "stabljax-guarded (cpu_options)", "plain (cpu_options)"
+        ratios["wall_guarded/plain (cpu_options)"] = walls[guarded] / walls[plain]
+        ratios["bytes_guarded/plain (cpu_options)"] = (
+            costs[guarded]["bytes"] / costs[plain]["bytes"]
+        )
     return rows, {"per_step": per, "ratios": ratios, "targets": TARGETS, "n_params": n_params}
 
 
