@@ -728,24 +728,3 @@ def test_background_save_needs_one_process(tmp_path, monkeypatch):
     monkeypatch.setattr(jax, "process_count", lambda: 2)
     with pytest.raises(ValueError, match="background_save=True needs a single process, got 2"):
         RollbackController(tmp_path, background_save=True)
-
-
-@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="per-thread nice is Linux's")
-def test_background_save_threads_run_at_the_lowest_priority(tmp_path):
-    ctl = _controller(tmp_path, background_save=True)
-    state, data = ctl.restore_or_init(STATE0, IndexedBatches(batch_fn_factory()))
-    for _ in range(10):
-        state, metrics = STEP(state, next(data))
-        state, data = ctl.step(state, metrics, data)
-
-    def nices():
-        child = []
-        t = threading.Thread(
-            target=lambda: child.append(os.getpriority(os.PRIO_PROCESS, threading.get_native_id()))
-        )
-        t.start(), t.join()
-        return os.getpriority(os.PRIO_PROCESS, threading.get_native_id()), child[0]
-
-    assert ctl._saver.submit(nices).result() == (19, 19)  # the thread and one it starts
-    assert os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) == 0  # not the caller
-    ctl.close()

@@ -6,7 +6,7 @@ also call ``ctl.step(state, metrics, data)`` with asynchronous Orbax saves every
 ``save_every`` steps (the last at the last step): "controlled" with the default
 ``RollbackController`` (Orbax's device-to-host copy and setup block the loop), and
 "controlled+background" with ``background_save=True`` (a device copy of the state is
-saved by a low-priority worker thread). Each loop is timed until its final state is
+saved by a worker thread). Each loop is timed until its final state is
 ready; ``ctl.finish`` (reading the last metrics and waiting for the last save's write,
 a one-off cost per run) is timed on its own and reported as seconds and as a second
 ratio with it included. Rounds alternate bare / controlled / controlled+background;
