@@ -493,9 +493,9 @@ def test_grain_data_rolls_back_and_resumes_like_indexed_batches(tmp_path, make):
     assert data.index == ref_data.index and ctl2.skipped_ranges == [(20, 37)]
 
 
-def _drift_run(tmp_path, detector):
+def _drift_run(tmp_path, detector, **kw):
     fn = batch_fn_factory(drift_from=150)
-    ctl = _controller(tmp_path, save_every=20, detectors=[detector, DivergenceDetector()])
+    ctl = _controller(tmp_path, save_every=20, detectors=[detector, DivergenceDetector()], **kw)
     state, data = ctl.restore_or_init(STATE0, IndexedBatches(fn))
     while ctl.current_step < 600:
         state, m = STEP(state, next(data))
@@ -514,11 +514,12 @@ def test_slow_divergence_warns_by_default(tmp_path):
     assert found[0].step > 150 and ctl.rollbacks == 0
 
 
-def test_slow_divergence_can_roll_back_to_the_best_checkpoint(tmp_path):
+@pytest.mark.parametrize("background_save", [False, True], ids=["foreground", "background"])
+def test_slow_divergence_can_roll_back_to_the_best_checkpoint(tmp_path, background_save):
     det = SlowDivergenceDetector(window=20, block=10, action="rollback_best")
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # no warning in this mode
-        ctl = _drift_run(tmp_path, det)
+        ctl = _drift_run(tmp_path, det, background_save=background_save)
     assert ctl.rollbacks == 1
     saves = [(e.details["smoothed_loss"], e.step) for e in ctl.events if e.kind == "save"]
     best = min(s for s in saves if s[0] is not None)[1]
@@ -702,20 +703,20 @@ def test_a_background_save_keeps_the_position_and_ledger_of_its_step(tmp_path):
     ctl = _controller(tmp_path, background_save=True)
     state, data = ctl.restore_or_init(STATE0, _grain_map(fn))
     gate, entered = threading.Event(), threading.Event()
-    write = ctl._write_snapshot
+    write = ctl._write
 
-    def held(*args):
+    def held(*args, **kwargs):
         entered.set()
         assert gate.wait(60)
-        return write(*args)
+        return write(*args, **kwargs)
 
-    ctl._write_snapshot = held
+    ctl._write = held
     while ctl.current_step < 15:  # the step-10 save waits in the worker meanwhile
         state, metrics = STEP(state, next(data))
         state, data = ctl.step(state, metrics, data)
     assert entered.wait(60)
     gate.set()
-    ctl._write_snapshot = write
+    ctl._write = write
     assert ctl.checkpoint_steps() == [0, 10]
     ctl.close()
     got = _restore_copy(tmp_path, 10, tmp_path / "copy", _grain_map(fn))

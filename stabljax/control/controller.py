@@ -52,6 +52,7 @@ from __future__ import annotations
 
 import collections
 import concurrent.futures
+import functools
 import json
 import math
 import os
@@ -792,19 +793,19 @@ class RollbackController:
                 f"({type(e).__name__}: {e}); pass a writable directory"
             ) from e
 
-    def _data_args(self, restore: bool, frozen: bool = False):
-        """Orbax args for the data item; ``frozen``: saves the position as of now."""
+    def _data_args(self, restore: bool):
+        """Orbax args for the data item; a save holds the position as of this call."""
         if isinstance(self._data, GrainDatasetIterator | GrainLoaderIterator):
             if restore:
                 return grain.checkpoint.CheckpointRestore(self._data.source)
-            item = _FrozenState(self._data.source) if frozen else self._data.source
-            return grain.checkpoint.CheckpointSave(item)
+            return grain.checkpoint.CheckpointSave(_FrozenState(self._data.source))
         if restore:
             return ocp.args.JsonRestore()
-        state = self._data.get_state()
-        return ocp.args.JsonSave(json.loads(json.dumps(state)) if frozen else state)
+        return ocp.args.JsonSave(json.loads(json.dumps(self._data.get_state())))
 
-    def _meta(self, fingerprint: list[int] | None) -> dict[str, Any]:
+    def _meta(self) -> dict[str, Any]:
+        """The checkpoint's meta item as of now; :meth:`_write` adds the scores of the kept
+        checkpoints (``ckpt_losses``) and the ``fingerprint``."""
         return {
             "version": _META_VERSION,
             "step": self._step,
@@ -815,8 +816,6 @@ class RollbackController:
             "history": self._history,
             "detectors": {d.name: d.get_state() for d in self.detectors},
             "ema": list(self._ema),
-            "ckpt_losses": {str(k): v for k, v in self._ckpt_losses.items()},
-            "fingerprint": fingerprint,
         }
 
     def _settle(self) -> None:
@@ -837,74 +836,66 @@ class RollbackController:
             )
 
     def _save(self, state: Any, *, sync: bool = False) -> None:
-        step = self._step
-        self._join_saver()
-        if self.background_save and not sync:
-            self._save_in_background(state)
-            return
-        self._manager.wait_until_finished()
-        self._retain()
-        self._check_step(int(_to_host(state.step)), step)
-        fingerprint = None
-        if self.verify:
-            fingerprint = [int(v) for v in _to_host(_fingerprint(state))]
-        if self.smoothed_loss is not None:
-            self._ckpt_losses[step] = self.smoothed_loss
-        meta = self._meta(fingerprint)
-        self._write(
-            step, state, self._data_args(restore=False), meta, self.smoothed_loss, wait=sync
-        )
-        self._saved_at = step
+        """Captures the checkpoint of this step and writes it, here or on the worker thread.
 
-    def _save_in_background(self, state: Any) -> None:
-        """Dispatches a device copy of ``state``; a worker thread checks and writes it.
-
-        Everything the checkpoint holds besides the state (data position, ledger,
-        detector state) is captured here, on the training thread, as of this step.
+        What the checkpoint holds besides the state (data position, ledger, detector
+        state) is captured here, on the training thread, as of this step; with
+        ``background_save`` the state is an on-device copy, so the step may donate it.
         """
+        self._join_saver()
         step = self._step
-        snapshot = _device_snapshot(state)
-        fingerprint = _fingerprint(snapshot) if self.verify else None
-        if self.smoothed_loss is not None:
-            self._ckpt_losses[step] = self.smoothed_loss
-        meta = json.loads(json.dumps(self._meta(None)))  # a deep copy, frozen now
-        data_args = self._data_args(restore=False, frozen=True)
-        if self._saver is None:
-            self._saver = concurrent.futures.ThreadPoolExecutor(
-                max_workers=1, thread_name_prefix="stabljax-save"
-            )
-        self._saving = self._saver.submit(
-            self._write_snapshot, step, snapshot, fingerprint, meta, data_args, self.smoothed_loss
+        background = self.background_save and not sync
+        if background:
+            state = _device_snapshot(state)
+        fingerprint = _fingerprint(state) if self.verify else None  # dispatched, read later
+        meta = self._meta()
+        if background:
+            meta = json.loads(json.dumps(meta))  # a deep copy: the loop runs on meanwhile
+        write = functools.partial(
+            self._write,
+            step,
+            state,
+            fingerprint,
+            meta,
+            self._data_args(restore=False),
+            self.smoothed_loss,
+            wait=sync,
         )
+        if background:
+            if self._saver is None:
+                self._saver = concurrent.futures.ThreadPoolExecutor(
+                    max_workers=1, thread_name_prefix="stabljax-save"
+                )
+            self._saving = self._saver.submit(write)
+        else:
+            write()
         self._saved_at = step
-
-    def _write_snapshot(
-        self,
-        step: int,
-        snapshot: Any,
-        fingerprint: jax.Array | None,
-        meta: dict[str, Any],
-        data_args: Any,
-        smoothed: float | None,
-    ) -> None:
-        # On the worker thread; the training thread joins it before touching Orbax.
-        self._manager.wait_until_finished()
-        self._retain()
-        self._check_step(int(_to_host(snapshot.step)), step)
-        if fingerprint is not None:
-            meta["fingerprint"] = [int(v) for v in _to_host(fingerprint)]
-        self._write(step, snapshot, data_args, meta, smoothed, wait=False)
 
     def _write(
         self,
         step: int,
         state: Any,
-        data_args: Any,
+        fingerprint: jax.Array | None,
         meta: dict[str, Any],
+        data_args: Any,
         smoothed: float | None,
         *,
         wait: bool,
     ) -> None:
+        """Writes checkpoint ``step``: on the worker thread with ``background_save``.
+
+        The training thread joins that thread before it touches Orbax or the scores of
+        the kept checkpoints, which only this method changes while a save is in flight.
+        """
+        self._manager.wait_until_finished()
+        self._retain()
+        self._check_step(int(_to_host(state.step)), step)
+        if smoothed is not None:
+            self._ckpt_losses[step] = smoothed
+        meta["ckpt_losses"] = {str(k): v for k, v in self._ckpt_losses.items()}
+        meta["fingerprint"] = (
+            None if fingerprint is None else [int(v) for v in _to_host(fingerprint)]
+        )
         args = ocp.args.Composite(
             state=ocp.args.StandardSave(state),
             data=data_args,
