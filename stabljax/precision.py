@@ -17,6 +17,8 @@ import jax
 import jax.numpy as jnp
 from jax.typing import ArrayLike, DTypeLike
 
+from stabljax.optim._base import all_finite
+
 __all__ = (
     "DynamicLossScale",
     "LossScaleState",
@@ -267,18 +269,3 @@ def unscale_grads(grads: Any, state: LossScaleState | None) -> Any:
         return (g.astype(jnp.float32) / scale).astype(g.dtype)
 
     return jax.tree.map(unscale, grads, is_leaf=lambda x: x is None)
-
-
-def all_finite(tree: Any) -> jax.Array:
-    """True when every element of every leaf of ``tree`` is finite (a bool scalar).
-
-    Example:
-      >>> import jax.numpy as jnp
-      >>> from stabljax.precision import all_finite
-      >>> bool(all_finite({"a": jnp.ones(2), "b": jnp.array([1.0, jnp.inf])}))
-      False
-    """
-    leaves = [jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves(tree)]
-    if not leaves:
-        return jnp.asarray(True)
-    return jnp.all(jnp.stack(leaves))

@@ -24,7 +24,6 @@ Metrics (all ``jax.Array`` scalars):
 from __future__ import annotations
 
 import dataclasses
-import inspect
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -38,6 +37,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 from stabljax import telemetry
 from stabljax.losses import _check_coefficient, cross_entropy_with_z_loss
 from stabljax.optim import guards
+from stabljax.optim._base import with_extra_args
 from stabljax.precision import LossScaleState, Precision, all_finite, scale_loss, unscale_grads
 
 __all__ = ("TrainState", "make_train_step", "nnx_apply", "nnx_merge")
@@ -149,20 +149,6 @@ class TrainState:
             opt_state=opt_state,
             loss_scale_state=None if ls_state is None else _place(ls_state, mesh),
         )
-
-
-def _with_loss_support(tx: Any) -> optax.GradientTransformationExtraArgs:
-    # optax.MultiSteps' update takes **extra_args but is no GradientTransformationExtraArgs;
-    # optax.with_extra_args_support would drop the loss on its way to a guard inside it.
-    if isinstance(tx, optax.GradientTransformationExtraArgs):
-        return tx
-    try:
-        kinds = [p.kind for p in inspect.signature(tx.update).parameters.values()]
-    except (TypeError, ValueError):
-        kinds = []
-    if inspect.Parameter.VAR_KEYWORD in kinds:
-        return optax.GradientTransformationExtraArgs(tx.init, tx.update)
-    return optax.with_extra_args_support(tx)
 
 
 _CPU_OPTIONS = {"xla_cpu_copy_insertion_use_region_analysis": True}
@@ -293,7 +279,7 @@ def make_train_step(
     _check_coefficient(z_loss)
     if not isinstance(precision, Precision):
         raise ValueError(f"precision must be a stabljax Precision, got {type(precision)}")
-    tx = _with_loss_support(optimizer)
+    tx = with_extra_args(optimizer)
     dls = precision.loss_scale
 
     def loss_fn(params, batch, ls_state):

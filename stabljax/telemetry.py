@@ -18,7 +18,8 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.typing import ArrayLike
+
+from stabljax.optim._base import global_norm_f32 as global_norm
 
 __all__ = (
     "adam_eps_report",
@@ -56,29 +57,6 @@ def path_str(path: tuple[Any, ...]) -> str:
     if path and isinstance(path[-1], jax.tree_util.GetAttrKey) and path[-1].name == "value":
         parts.pop()  # an nnx.Variable's payload: name the variable, not its field
     return "/".join(parts)
-
-
-def _sq_norm(x: ArrayLike) -> jax.Array:
-    return jnp.sum(jnp.square(jnp.asarray(x).astype(jnp.float32)))
-
-
-def global_norm(tree: Any) -> jax.Array:
-    r"""The float32 L2 norm of all leaves of ``tree`` together, :math:`\sqrt{\sum x^2}`.
-
-    Leaves are upcast to float32 before squaring, so a bf16 or fp16 tree neither
-    overflows nor loses the small terms. ``None`` leaves are ignored; an empty tree
-    has norm 0.
-
-    Example:
-      >>> import jax.numpy as jnp
-      >>> from stabljax.telemetry import global_norm
-      >>> print(float(global_norm({"a": jnp.array([3.0]), "b": jnp.array([4.0], jnp.bfloat16)})))
-      5.0
-    """
-    leaves = jax.tree.leaves(tree)
-    if not leaves:
-        return jnp.zeros([], jnp.float32)
-    return jnp.sqrt(sum(_sq_norm(x) for x in leaves))
 
 
 def _ratio(num: jax.Array, den: jax.Array) -> jax.Array:
@@ -124,11 +102,11 @@ def layer_metrics(grads: Any, params: Any, updates: Any) -> dict[str, dict[str, 
     }
     for (path, p), g, u in zip(flat, g_leaves, u_leaves, strict=True):
         key = path_str(path)
-        p_norm = jnp.sqrt(_sq_norm(p))
+        p_norm = global_norm(p)
         g = jnp.asarray(g)
-        out["grad_norm"][key] = jnp.sqrt(_sq_norm(g))
+        out["grad_norm"][key] = global_norm(g)
         out["param_norm"][key] = p_norm
-        out["update_ratio"][key] = _ratio(jnp.sqrt(_sq_norm(u)), p_norm)
+        out["update_ratio"][key] = _ratio(global_norm(u), p_norm)
         out["nonfinite_grad"][key] = jnp.logical_not(jnp.all(jnp.isfinite(g)))
     return out
 

@@ -151,7 +151,7 @@ def test_skip_nonfinite_inf_in_inner_output_skips():
     params = nested_params()
     # Finite gradients, but the inner output overflows float32 (0.01 * 1e60).
     inner = optax.chain(optax.adam(1e-2), optax.scale(1e30), optax.scale(1e30))
-    opt = skip_nonfinite(inner)
+    opt = skip_nonfinite(inner, check_update=True)
     step = jit_update(opt)
     state0 = opt.init(params)
     u, state1 = step(random_grads_like(params, seed=1), state0, params)
@@ -166,7 +166,7 @@ def test_skip_nonfinite_finds_one_nonfinite_inner_value_at_any_position(shape):
     # The probe ANDs adjacent pairs along the last axis before reducing: every position,
     # odd and even, first and last, must still count. The inner update is g * params.
     inner = optax.stateless(lambda u, p: jax.tree.map(jnp.multiply, u, p))
-    opt = skip_nonfinite(inner)
+    opt = skip_nonfinite(inner, check_update=True)
     step = jit_update(opt)
     grads = {"w": jnp.ones(shape)}
     state = opt.init(grads)
@@ -353,7 +353,7 @@ def test_skip_spikes_warmup_only_gathers_but_skips_nonfinite():
 def test_skip_spikes_skips_nonfinite_inner_output_during_warmup():
     params = {"w": jnp.ones((3,))}
     inner = optax.chain(optax.sgd(1.0), optax.scale(1e30), optax.scale(1e30))
-    opt = skip_spikes(inner, watch=("grad_norm",))
+    opt = skip_spikes(inner, watch=("grad_norm",), check_update=True)
     state0 = opt.init(params)
     u, state = jit_update(opt)({"w": jnp.ones((3,))}, state0, params)
     assert bool(state.spike_skipped) and int(state.spike_count) == 0

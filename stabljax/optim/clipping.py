@@ -18,6 +18,8 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from stabljax.optim._base import all_finite, global_norm_f32
+
 __all__ = [
     "ClipByAdagcState",
     "ClipByPercentileState",
@@ -49,21 +51,6 @@ def _check(name: str, value: Any, ok, allowed: str) -> None:
     v = _concrete(value)
     if v is not None and not ok(v):
         raise ValueError(f"{name} must be {allowed}, got {value!r}")
-
-
-def _global_norm_f32(tree) -> jax.Array:
-    """Global L2 norm in float32 (bf16/f16 leaves are upcast before squaring)."""
-    leaves = jax.tree.leaves(tree)
-    if not leaves:
-        return jnp.zeros([], _F32)
-    return jnp.sqrt(sum(jnp.sum(jnp.square(jnp.asarray(x).astype(_F32))) for x in leaves))
-
-
-def _all_finite(tree) -> jax.Array:
-    leaves = jax.tree.leaves(tree)
-    if not leaves:
-        return jnp.ones([], bool)
-    return jnp.all(jnp.stack([jnp.all(jnp.isfinite(x)) for x in leaves]))
 
 
 def _rescale(tree, scale: jax.Array):
@@ -188,7 +175,7 @@ def clip_by_zscore(
         warmup = jnp.maximum(jnp.asarray(warmup_steps, jnp.int32), 1)
         count, mean, var = state.zclip_count, state.zclip_mean, state.zclip_var
 
-        g = _global_norm_f32(updates)
+        g = global_norm_f32(updates)
         finite = jnp.isfinite(g)
         in_warmup = count < warmup
 
@@ -326,7 +313,7 @@ def clip_by_percentile(
     def update_fn(updates, state, params=None):
         del params
         q = jnp.asarray(percentile, _F32)
-        g = _global_norm_f32(updates)
+        g = global_norm_f32(updates)
         finite = jnp.isfinite(g)
         count = state.pclip_count
         slot = count % history
@@ -413,7 +400,7 @@ def clip_spikes_per_coordinate(
         th = jnp.asarray(theta, _F32)
         beta = jnp.asarray(b2, _F32)
         one_minus_beta = jnp.asarray(1 - b2, _F32)
-        finite = _all_finite(updates)
+        finite = all_finite(updates)
 
         def leaf(g, v):
             g32 = g.astype(_F32)
@@ -507,7 +494,7 @@ def clip_by_adagc(lambda_rel: float = 1.05, beta: float = 0.98) -> optax.Gradien
         lam = jnp.asarray(lambda_rel, _F32)
         b = jnp.asarray(beta, _F32)
         one_minus_b = jnp.asarray(1 - beta, _F32)
-        finite = _all_finite(updates)
+        finite = all_finite(updates)
 
         def leaf(g, gamma):
             norm = jnp.sqrt(jnp.sum(jnp.square(g.astype(_F32))))
