@@ -9,7 +9,14 @@ optimizer is compiled with XLA's defaults and, on XLA:CPU, also with
 ``stabljax.recommended_compiler_options()`` (suffix ``(cpu_options)``), all timed in one
 round-robin.
 
+With ``--aot-tpu TOPOLOGY`` (e.g. ``v5e:2x2``; needs ``pip install -e ".[tpu]"``, no TPU)
+every candidate is instead compiled ahead of time for XLA:TPU, on 1 chip and sharded over
+4, and the compiler's bytes accessed, flops and memory are reported (no wall time); the
+extra candidates are B with ``check_update=True`` and A inside the five-line ``where``
+guard, the reference for what a guard can cost.
+
     python -m experiments.bench.optimizer_update [--quick] [--log2-params 24]
+    python -m experiments.bench.optimizer_update --aot-tpu v5e:2x2
 """
 
 from __future__ import annotations
@@ -23,6 +30,7 @@ import jax.numpy as jnp
 import optax
 
 import stabljax
+from experiments.bench import aot_tpu
 from experiments.bench.timing import (
     bench_main,
     compiled_cost,
@@ -32,6 +40,14 @@ from experiments.bench.timing import (
 )
 
 TARGETS = {"bytes_B/A": 1.10, "wall_B/A": 1.15, "bandwidth_B": 0.50}
+# XLA:TPU (AOT): bytes against plain, and B's temp memory above A's as a fraction of the
+# state (params + optimizer state) on one chip.
+TPU_TARGETS = {
+    "tpu bytes_B/A (1 chip)": 1.10,
+    "tpu bytes_B/A (4 chips)": 1.10,
+    "tpu temp_B-A / state (1 chip)": 0.01,
+    "tpu temp_B-A / state (4 chips)": 0.01,
+}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -41,6 +57,10 @@ class Config:
     repeats: int = 30
     lr: float = 1e-3
     seed: int = 0
+    aot_tpu: str = dataclasses.field(
+        default="",
+        metadata={"help": "compile for this TPU topology (e.g. v5e:2x2) instead of timing"},
+    )
 
     @classmethod
     def quick(cls) -> Config:
@@ -50,10 +70,59 @@ class Config:
 def optimizers(lr: float) -> dict[str, optax.GradientTransformation]:
     return {
         "A": optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(lr)),
-        "B": stabljax.skip_nonfinite(
-            stabljax.skip_spikes(optax.chain(stabljax.clip_by_zscore(), stabljax.safe_adamw(lr)))
-        ),
+        "B": readme_optimizer(lr),
         "C": stabljax.adamw_atan2(lr),
+    }
+
+
+def readme_optimizer(lr: float, **guard_kwargs) -> optax.GradientTransformation:
+    """README's guarded optimizer: skip_nonfinite(skip_spikes(chain(ZClip, safe AdamW)))."""
+    return stabljax.skip_nonfinite(
+        stabljax.skip_spikes(optax.chain(stabljax.clip_by_zscore(), stabljax.safe_adamw(lr))),
+        **guard_kwargs,
+    )
+
+
+def run_aot_tpu(cfg: Config) -> tuple[list[dict], dict]:
+    """Every candidate compiled for ``cfg.aot_tpu`` on 1 chip and over 4: no timing."""
+    candidates = {
+        **optimizers(cfg.lr),
+        "B (check_update)": readme_optimizer(cfg.lr, check_update=True),
+        "where-guard(A)": aot_tpu.where_guard(optimizers(cfg.lr)["A"]),
+    }
+    n = 2**cfg.log2_params
+    costs = aot_tpu.optimizer_update_costs(
+        cfg.aot_tpu, candidates, n_params=n, n_leaves=cfg.n_leaves, chips=(1, 4)
+    )
+    rows, ratios = [], {}
+    for chips, per in costs.items():
+        a = per["A"]
+        where = f"{chips} chip" + ("s" if chips > 1 else "")
+        for name, c in per.items():
+            rows.append(
+                {
+                    "chips": chips,
+                    "optimizer": name,
+                    "bytes accessed": c["bytes"],
+                    "bytes / A": c["bytes"] / a["bytes"],
+                    "flops": c["flops"],
+                    "temp MiB": c["temp"] / 2**20,
+                    "argument MiB": c["argument"] / 2**20,
+                    "alias MiB": c["alias"] / 2**20,
+                }
+            )
+            if name != "A":
+                ratios[f"tpu bytes_{name}/A ({where})"] = c["bytes"] / a["bytes"]
+        ratios[f"tpu temp_B-A / state ({where})"] = (per["B"]["temp"] - a["temp"]) / a[
+            "state_bytes"
+        ]
+    return rows, {
+        "per_optimizer": costs,
+        "ratios": ratios,
+        "targets": TPU_TARGETS,
+        "n_params": n,
+        "topology": cfg.aot_tpu,
+        "compiler": "XLA:TPU (AOT)",
     }
 
 
@@ -78,6 +147,8 @@ def targets() -> dict[str, float]:
 
 
 def run(cfg: Config) -> tuple[list[dict], dict]:
+    if cfg.aot_tpu:
+        return run_aot_tpu(cfg)
     n = 2**cfg.log2_params
     per = n // cfg.n_leaves
     keys = jax.random.split(jax.random.key(cfg.seed), 2 * cfg.n_leaves)
@@ -167,9 +238,12 @@ def main(argv=None) -> dict:
         run,
         argv,
         description=__doc__.splitlines()[0],
-        stem="optimizer_update",
-        targets=targets(),
-        title=lambda cfg, r: f"Optimizer update, 2^{cfg.log2_params} float32 parameters",
+        stem=lambda cfg: "optimizer_update_tpu" if cfg.aot_tpu else "optimizer_update",
+        targets={**targets(), **TPU_TARGETS},
+        title=lambda cfg, r: (
+            f"Optimizer update, 2^{cfg.log2_params} float32 parameters"
+            + (f", XLA:TPU AOT for {cfg.aot_tpu}" if cfg.aot_tpu else "")
+        ),
     )
 
 

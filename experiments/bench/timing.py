@@ -79,14 +79,15 @@ def bench_main(
     argv: Any,
     *,
     description: str,
-    stem: str,
+    stem: str | Callable[[Any], str],
     targets: dict[str, float],
     title: Callable[[Any, dict], str],
 ) -> dict:
     """The CLI of every benchmark: parse, run, write ``<stem>.json``/``.md``, print the table.
 
     ``run(cfg) -> (rows, results)`` with ``results["ratios"]`` the figures compared with
-    ``targets``; ``title(cfg, results)`` heads the Markdown file.
+    ``targets``; ``title(cfg, results)`` heads the Markdown file. ``stem`` names the
+    files, or is a function of the config that does.
     """
     from experiments.common import markdown_table, parse_config, write_results
 
@@ -97,7 +98,12 @@ def bench_main(
     ]
     table = markdown_table(rows) + "\n" + markdown_table(ratios)
     write_results(
-        args.out, config=cfg, results=results, table=table, title=title(cfg, results), stem=stem
+        args.out,
+        config=cfg,
+        results=results,
+        table=table,
+        title=title(cfg, results),
+        stem=stem(cfg) if callable(stem) else stem,
     )
     print(table)
     return results
