@@ -45,9 +45,11 @@ from stabljax.optim.clipping import clip_by_zscore as clip_by_zscore
 from stabljax.optim.clipping import clip_spikes_per_coordinate as clip_spikes_per_coordinate
 from stabljax.optim.guards import SkipNonfiniteState as SkipNonfiniteState
 from stabljax.optim.guards import SkipSpikesState as SkipSpikesState
+from stabljax.optim.guards import SpikeRule as SpikeRule
 from stabljax.optim.guards import any_skipped as any_skipped
 from stabljax.optim.guards import skip_nonfinite as skip_nonfinite
 from stabljax.optim.guards import skip_spikes as skip_spikes
+from stabljax.optim.guards import skip_step as skip_step
 from stabljax.optim.guards import skip_streak as skip_streak
 from stabljax.precision import DynamicLossScale as DynamicLossScale
 from stabljax.precision import LossScaleState as LossScaleState
@@ -88,6 +90,7 @@ __all__ = (
     "SkipSpikesState",
     "SlowDivergenceDetector",
     "SpikeDetector",
+    "SpikeRule",
     "TrainState",
     "TrainingDiverged",
     "TransformerConfig",
@@ -116,6 +119,7 @@ __all__ = (
     "scale_by_safe_adam",
     "skip_nonfinite",
     "skip_spikes",
+    "skip_step",
     "skip_streak",
     "z_loss",
 )

@@ -62,6 +62,8 @@ class TransformerConfig:
       param_dtype: parameter dtype.
       attn_logit_softcap: if set, attention logits become ``c·tanh(logits/c)``.
       norm_eps: epsilon of the norms.
+      remat: recompute each block's activations in the backward pass
+        (``nnx.remat``) instead of keeping them: less memory, about one more forward.
     """
 
     vocab_size: int = 256
@@ -80,6 +82,7 @@ class TransformerConfig:
     param_dtype: Any = jnp.float32
     attn_logit_softcap: float | None = None
     norm_eps: float = 1e-5
+    remat: bool = False
 
     def __post_init__(self):
         if self.d_ff is None:
@@ -220,6 +223,10 @@ class Block(nnx.Module):
         return x, max_logit
 
 
+def _call_block(block: Block, h: jax.Array) -> tuple[jax.Array, jax.Array]:
+    return block(h)
+
+
 class TransformerLM(nnx.Module):
     """Decoder-only Transformer language model, initialised from an init plan.
 
@@ -318,8 +325,9 @@ class TransformerLM(nnx.Module):
     def _run_blocks(self, h: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
         rms0 = _rms(h)[None]
         rms, max_logits = [], []
+        call = nnx.remat(_call_block) if self.config.remat else _call_block
         for block in self.blocks:
-            h, max_logit = block(h)
+            h, max_logit = call(block, h)
             rms.append(_rms(h))
             max_logits.append(max_logit)
         return h, jnp.concatenate([rms0, jnp.stack(rms)]), jnp.stack(max_logits)

@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
+import stabljax
 from stabljax import nn
 from stabljax.init import init_plan, truncated_std_factor
 from stabljax.step import nnx_apply
@@ -319,3 +320,21 @@ def test_config_and_call_validation():
     with pytest.raises(ValueError, match="max_len"):
         model(jnp.zeros((1, 17), jnp.int32))
     assert CONFIGS["default"].d_ff == 128
+
+
+def test_remat_gives_the_same_loss_and_gradients():
+    import optax
+
+    base = stabljax.TransformerConfig(vocab_size=32, d_model=16, n_layers=2, n_heads=2, max_len=8)
+    tokens = jax.random.randint(jax.random.key(1), (2, 9), 0, 32)
+    grads = {}
+    for remat in (False, True):
+        cfg = dataclasses.replace(base, remat=remat)
+        apply_fn, params = stabljax.nnx_apply(stabljax.TransformerLM(cfg, rngs=nnx.Rngs(0)))
+
+        def loss(p, apply_fn=apply_fn):
+            logits = apply_fn(p, tokens[:, :-1])
+            return optax.softmax_cross_entropy_with_integer_labels(logits, tokens[:, 1:]).mean()
+
+        grads[remat] = jax.jit(jax.value_and_grad(loss))(params)
+    chex.assert_trees_all_close(grads[True], grads[False], rtol=1e-5, atol=1e-6)

@@ -164,6 +164,8 @@ def _model_shapes(d_model: int, n_layers: int, n_heads: int, vocab: int, seq_len
         n_layers=n_layers,
         n_heads=n_heads,
         max_len=seq_len,
+        dtype=jnp.bfloat16,  # activations; the step casts params to bf16 (Precision.bf16)
+        remat=True,  # as MaxText trains at these sizes; without it 185M needs 18 GiB a chip
     )
     model = nnx.eval_shape(lambda: stabljax.TransformerLM(cfg, rngs=nnx.Rngs(0)))
     return stabljax.nnx_apply(model)

@@ -10,7 +10,17 @@ with ``True``. On XLA:CPU, ``plain`` and ``stabljax-guarded`` are also compiled 
 ``stabljax.recommended_compiler_options()`` (suffix ``(cpu_options)``, compared with each
 other). All are timed round-robin in one process; ratios are against ``plain``.
 
+With ``--aot-tpu TOPOLOGY`` (e.g. ``v5e:2x4``; needs ``pip install -e ".[tpu]"``, no TPU)
+the steps are instead compiled ahead of time for XLA:TPU at two sizes, in bf16 compute
+with float32 master weights: ~185M parameters (d_model 1024, 12 layers, vocab 32000, seq
+1024, batch 64) data parallel over every chip, and ~1B (d_model 2048, 18 layers) FSDP
+over every chip. ``plain`` is the hand-written step above in bf16; ``guarded`` is
+``make_train_step`` with z-loss, the guarded optimizer and ``Precision.bf16()``. The
+compiler's bytes accessed and per-device memory are reported, and whether the step fits
+in the chip's HBM.
+
     python -m experiments.bench.train_step [--quick] [--d-model 384 --n-layers 6]
+    python -m experiments.bench.train_step --aot-tpu v5e:2x4
 """
 
 from __future__ import annotations
@@ -20,10 +30,14 @@ import functools
 import sys
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import optax
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 import stabljax
+from experiments.bench import aot_tpu
 from experiments.bench.timing import bench_main, compiled_cost, interleaved_medians
 from experiments.common import (
     Setup,
@@ -32,6 +46,19 @@ from experiments.common import (
 )
 
 TARGETS = {"wall_guarded/plain": 1.03, "wall_guarded/plain (cpu_options)": 1.03}
+# XLA:TPU (AOT), per model size: bytes against plain, and the guarded step's temp memory
+# above plain's as a fraction of plain's.
+TPU_SIZES = {
+    "185M-data": dict(d_model=1024, n_layers=12, n_heads=16, parallelism="data"),
+    "1B-fsdp": dict(d_model=2048, n_layers=18, n_heads=16, parallelism="fsdp"),
+    # For --quick smoke runs only.
+    "tiny-data": dict(d_model=64, n_layers=2, n_heads=4, parallelism="data"),
+    "tiny-fsdp": dict(d_model=64, n_layers=2, n_heads=4, parallelism="fsdp"),
+}
+TPU_TARGETS = {
+    **{f"tpu bytes_guarded/plain ({k})": 1.03 for k in ("185M-data", "1B-fsdp")},
+    **{f"tpu temp_guarded-plain / plain ({k})": 0.02 for k in ("185M-data", "1B-fsdp")},
+}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -45,10 +72,29 @@ class Config:
     lr: float = 1e-3
     z_loss: float = 1e-4
     seed: int = 0
+    aot_tpu: str = dataclasses.field(
+        default="",
+        metadata={"help": "compile for this TPU topology (e.g. v5e:2x4) instead of timing"},
+    )
+    tpu_sizes: tuple[str, ...] = ("185M-data", "1B-fsdp")
+    tpu_vocab: int = 32000
+    tpu_seq_len: int = 1024
+    tpu_batch_size: int = 64
 
     @classmethod
     def quick(cls) -> Config:
-        return cls(d_model=32, n_layers=1, n_heads=2, seq_len=16, batch_size=2, repeats=2)
+        return cls(
+            d_model=32,
+            n_layers=1,
+            n_heads=2,
+            seq_len=16,
+            batch_size=2,
+            repeats=2,
+            tpu_sizes=("tiny-data", "tiny-fsdp"),
+            tpu_vocab=256,
+            tpu_seq_len=64,
+            tpu_batch_size=8,
+        )
 
 
 def _plain_step(apply_fn, opt, compiler_options=None):
@@ -65,7 +111,106 @@ def _plain_step(apply_fn, opt, compiler_options=None):
     return step
 
 
+def _guarded_opt(lr: float) -> optax.GradientTransformation:
+    return stabljax.skip_nonfinite(
+        stabljax.skip_spikes(optax.chain(stabljax.clip_by_zscore(), stabljax.safe_adamw(lr)))
+    )
+
+
+def _tpu_steps(cfg: Config) -> dict:
+    """The two steps compiled for XLA:TPU: ``plain`` (bf16 compute) and ``guarded``."""
+    precision = stabljax.Precision.bf16()
+
+    def plain(apply_fn):
+        opt = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(cfg.lr))
+
+        def loss_fn(params, batch):
+            logits = apply_fn(precision.cast_to_compute(params), batch["inputs"])
+            logits = logits.astype(jnp.float32)
+            labels = batch["targets"]
+            return optax.softmax_cross_entropy_with_integer_labels(logits, labels).mean()
+
+        @functools.partial(jax.jit, donate_argnums=(0, 1))
+        def step(params, opt_state, batch):
+            loss, grads = jax.value_and_grad(loss_fn)(params, batch)
+            updates, opt_state = opt.update(grads, opt_state, params)
+            return optax.apply_updates(params, updates), opt_state, loss
+
+        def args(params, rule, batch):
+            return params, aot_tpu.abstract(jax.eval_shape(opt.init, params), rule), batch
+
+        return step, args
+
+    def guarded(apply_fn):
+        opt = _guarded_opt(cfg.lr)
+        step = stabljax.make_train_step(apply_fn, opt, z_loss=cfg.z_loss, precision=precision)
+
+        def args(params, rule, batch):
+            mesh = batch["inputs"].sharding.mesh
+            state = stabljax.TrainState(
+                step=jax.ShapeDtypeStruct((), jnp.int32, sharding=NamedSharding(mesh, P())),
+                params=params,
+                opt_state=aot_tpu.abstract(jax.eval_shape(opt.init, params), rule),
+                loss_scale_state=None,
+            )
+            return state, batch
+
+        return step, args
+
+    return {"plain": plain, "guarded": guarded}
+
+
+def run_aot_tpu(cfg: Config) -> tuple[list[dict], dict]:
+    """Both steps compiled for ``cfg.aot_tpu`` at the two sizes of :data:`TPU_SIZES`."""
+    hbm = aot_tpu.hbm_bytes(cfg.aot_tpu)
+    rows, ratios, per_size = [], {}, {}
+    for size in cfg.tpu_sizes:
+        if size not in TPU_SIZES:
+            raise ValueError(f"--tpu-sizes: unknown size {size!r}; known: {sorted(TPU_SIZES)}")
+        arch = TPU_SIZES[size]
+        res = aot_tpu.train_step_costs(
+            cfg.aot_tpu,
+            _tpu_steps(cfg),
+            vocab=cfg.tpu_vocab,
+            seq_len=cfg.tpu_seq_len,
+            batch_size=cfg.tpu_batch_size,
+            **arch,
+        )
+        per_size[size] = res
+        plain = res["per_step"]["plain"]
+        for name, c in res["per_step"].items():
+            rows.append(
+                {
+                    "model": size,
+                    "params": f"{res['n_params'] / 1e6:.0f}M",
+                    "step": name,
+                    "bytes accessed": c["bytes"],
+                    "bytes / plain": c["bytes"] / plain["bytes"],
+                    "flops / plain": c["flops"] / plain["flops"],
+                    "temp GiB": c["temp"] / 2**30,
+                    "peak GiB / chip": c["peak"] / 2**30,
+                    "fits HBM": "?" if hbm is None else ("yes" if c["peak"] <= hbm else "no"),
+                }
+            )
+        guarded = res["per_step"]["guarded"]
+        ratios[f"tpu bytes_guarded/plain ({size})"] = guarded["bytes"] / plain["bytes"]
+        ratios[f"tpu temp_guarded-plain / plain ({size})"] = (
+            guarded["temp"] - plain["temp"]
+        ) / plain["temp"]
+    return rows, {
+        "per_size": per_size,
+        "ratios": ratios,
+        "targets": TPU_TARGETS,
+        "topology": cfg.aot_tpu,
+        "hbm_bytes": hbm,
+        "compiler": "XLA:TPU (AOT)",
+        "n_params": per_size[cfg.tpu_sizes[0]]["n_params"],
+    }
+
+
 def run(cfg: Config) -> tuple[list[dict], dict]:
+    if cfg.aot_tpu:
+        return run_aot_tpu(cfg)
     setup = Setup(
         d_model=cfg.d_model,
         n_layers=cfg.n_layers,
@@ -84,11 +229,7 @@ def run(cfg: Config) -> tuple[list[dict], dict]:
         return optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(cfg.lr))
 
     def guarded_opt():
-        return stabljax.skip_nonfinite(
-            stabljax.skip_spikes(
-                optax.chain(stabljax.clip_by_zscore(), stabljax.safe_adamw(cfg.lr))
-            )
-        )
+        return _guarded_opt(cfg.lr)
 
     runners, costs = {}, {}
 
@@ -169,9 +310,13 @@ def main(argv=None) -> dict:
         run,
         argv,
         description=__doc__.splitlines()[0],
-        stem="train_step",
-        targets=TARGETS,
-        title=lambda cfg, r: f"Train step, {r['n_params'] / 1e6:.1f}M parameters",
+        stem=lambda cfg: "train_step_tpu" if cfg.aot_tpu else "train_step",
+        targets={**TARGETS, **TPU_TARGETS},
+        title=lambda cfg, r: (
+            f"Train step, XLA:TPU AOT for {cfg.aot_tpu}"
+            if cfg.aot_tpu
+            else f"Train step, {r['n_params'] / 1e6:.1f}M parameters"
+        ),
     )
 
 
