@@ -38,7 +38,9 @@ def test_aot_needs_libtpu_with_a_clear_error(monkeypatch):
 @needs_libtpu
 def test_optimizer_update_aot_tpu(tmp_path):
     mod = importlib.import_module("experiments.bench.optimizer_update")
-    res = mod.main(["--quick", "--aot-tpu", "v5e:2x2", "--out", str(tmp_path)])
+    # 2^20 params: large enough that the guards' scalar work is small against the arrays.
+    argv = ["--quick", "--log2-params", "20", "--aot-tpu", "v5e:2x2", "--out", str(tmp_path)]
+    res = mod.main(argv)
     payload = json.loads((tmp_path / "optimizer_update_tpu.json").read_text())
     assert payload["results"]["compiler"] == "XLA:TPU (AOT)"
     r = res["ratios"]

@@ -194,9 +194,10 @@ def run_aot_tpu(cfg: Config) -> tuple[list[dict], dict]:
             )
         guarded = res["per_step"]["guarded"]
         ratios[f"tpu bytes_guarded/plain ({size})"] = guarded["bytes"] / plain["bytes"]
+        extra = guarded["temp"] - plain["temp"]
         ratios[f"tpu temp_guarded-plain / plain ({size})"] = (
-            guarded["temp"] - plain["temp"]
-        ) / plain["temp"]
+            extra / plain["temp"] if plain["temp"] else (float("inf") if extra > 0 else 0.0)
+        )
     return rows, {
         "per_size": per_size,
         "ratios": ratios,
