@@ -705,3 +705,19 @@ def test_slow_detector_leaves_skipped_and_overflowed_steps_out():
             step += 2
     assert a.get_state()["means"] == b.get_state()["means"]
     assert {"skipped", "overflow"} <= set(SlowDivergenceDetector().keys)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("phi", [0.9, 0.99])
+def test_no_slow_divergence_alarm_in_2e5_flat_autocorrelated_steps(phi):
+    # The benchmark's figure, on other seeds: 0 alarms per 1e5 steps for phi <= 0.99.
+    for seed in (40, 41):
+        det = SlowDivergenceDetector()
+        assert all(d is None for d in _feed(det, 2.0 + _ar1(100_000, phi, seed)))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", sorted(HEAVY))
+def test_heavy_tailed_false_rollbacks_over_1e5_steps(name):
+    xs = HEAVY[name](np.random.default_rng(42), 100_000)
+    assert _false_episodes(SpikeDetector(), xs) <= 10  # <= 0.1 per 1000 steps
