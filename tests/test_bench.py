@@ -14,6 +14,7 @@ BENCHES = {
     "train_step": ("per_step", "ratios", "targets", "n_params"),
     "controller": ("steps_per_s", "ratios", "targets", "n_params"),
     "rollback": ("seconds", "checkpoint_bytes", "ratios", "targets", "n_params"),
+    "detectors": ("slow_false_alarms", "slow_delay", "spike", "real_curves", "ratios", "targets"),
 }
 RATIOS = {
     "optimizer_update": (
@@ -29,6 +30,16 @@ RATIOS = {
     "train_step": ("wall_guarded/plain", "wall_guarded+layers/plain"),
     "controller": ("steps_per_s_controlled/bare", "steps_per_s_controlled+background/bare"),
     "rollback": ("restore/read_bytes", "skip_s"),
+    "detectors": (
+        "slow_alarms_per_1e5_iid",
+        "slow_alarms_per_1e5_phi0.99",
+        "slow_alarms_per_1e5_real",
+        "slow_delay_max_steps_iid",
+        "spike_false_per_1000_student_t3",
+        "spike_false_per_1000_lognormal",
+        "spike_5x_caught_student_t3",
+        "spike_5x_caught_lognormal",
+    ),
 }
 # The two that compile a whole train step several times take tens of seconds.
 SLOW = {"train_step", "controller"}

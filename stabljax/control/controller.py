@@ -354,7 +354,7 @@ class RollbackController:
       ... def train_step(state, x):
       ...     loss, g = jax.value_and_grad(lambda w: jnp.mean((x * w - 2 * x) ** 2))(state.w)
       ...     return State(state.step + 1, state.w - 0.1 * g), {"loss": loss}
-      >>> def batch_fn(i):  # batch 30 is poisoned: its update throws w off, loss 31 spikes
+      >>> def batch_fn(i):  # batch 30 is poisoned: its loss spikes, its update throws w off
       ...     return jnp.full((4,), 1e3 if i == 30 else 1.0 + 0.1 * (i % 3))
       >>> ctl = RollbackController(
       ...     tempfile.mkdtemp(), save_every=10, rollback_margin=5,
@@ -362,7 +362,7 @@ class RollbackController:
       >>> state, data = ctl.run(train_step, State(jnp.int32(0), jnp.float32(0.0)),
       ...                       IndexedBatches(batch_fn), 50, progress=False)
       >>> print(int(state.step), data.index, ctl.skipped_ranges, ctl.rollbacks)
-      50 63 [(20, 33)] 1
+      50 62 [(20, 32)] 1
       >>> print(round(float(state.w), 4))
       2.0
     """
