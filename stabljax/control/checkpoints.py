@@ -45,6 +45,7 @@ from jax import lax
 from jax.experimental import multihost_utils
 
 from stabljax.control import policy
+from stabljax.control.data import GrainDatasetIterator, GrainLoaderIterator
 
 META_VERSION = 1
 TRASH = "stabljax-trash"
@@ -125,6 +126,11 @@ def fingerprint(tree: Any) -> jax.Array:
     if not leaves:
         return jnp.zeros((0,), jnp.uint32)
     return jnp.concatenate([_leaf_fingerprint(x) for x in leaves])
+
+
+def jsonable(value: Any) -> Any:
+    """``value`` as plain JSON types (a deep copy), or ``None``."""
+    return None if value is None else json.loads(json.dumps(value))
 
 
 def meta_digest(meta: Mapping[str, Any]) -> str:
@@ -217,15 +223,53 @@ class _FrozenState:
         return self._state
 
 
-def data_args(data: Any, *, restore: bool, grain_source: Any = None) -> Any:
+def _grain_source(data: Any) -> Any:
+    return data.source if isinstance(data, GrainDatasetIterator | GrainLoaderIterator) else None
+
+
+def data_item(data: Any, *, restore: bool) -> Any:
     """Orbax args for the data item; a save holds the position as of this call."""
-    if grain_source is not None:
+    source = _grain_source(data)
+    if source is not None:
         if restore:
-            return grain.checkpoint.CheckpointRestore(grain_source)
-        return grain.checkpoint.CheckpointSave(_FrozenState(grain_source))
+            return grain.checkpoint.CheckpointRestore(source)
+        return grain.checkpoint.CheckpointSave(_FrozenState(source))
     if restore:
         return ocp.args.JsonRestore()
     return ocp.args.JsonSave(json.loads(json.dumps(data.get_state())))
+
+
+def check_compatible(
+    meta: Mapping[str, Any], abstract: Any, data_config: Any, directory: pathlib.Path
+) -> None:
+    """Raises :class:`CheckpointMismatch` listing how the state or data config differs."""
+    lines = []
+    if meta.get("leaves") is not None:
+        lines = describe_mismatch(meta["leaves"], leaf_specs(abstract))
+    saved = meta.get("data_config")
+    if saved is not None and saved != data_config:
+        lines.append(f"data config {saved} in the checkpoint, {data_config} now")
+    if lines:
+        raise CheckpointMismatch(
+            f"cannot resume from checkpoint {meta['step']} in {str(directory)!r}: the train "
+            "state's structure changed or the data config changed since it was written (a "
+            "config change, not corruption):\n  " + "\n  ".join(lines) + "\nResume with the "
+            "original model, optimizer, dtypes and data, or use a new directory."
+        )
+
+
+def try_everywhere(fn: Callable[[], Any], log: Callable[..., None], step: int | None) -> Any:
+    """``fn()``, or None (with a ``corrupt_checkpoint`` event) if it fails on any process."""
+    try:
+        result, ok, err = fn(), True, None
+    except Exception as e:  # noqa: BLE001 - any failure to read means "not usable"
+        result, ok, err = None, False, e
+    if not all_agree(ok):
+        if step is not None:
+            reason = f"{type(err).__name__}: {err}"[:500] if err else "failed on another host"
+            log("corrupt_checkpoint", step, reason=reason)
+        return None
+    return result
 
 
 class _Sweeper:
@@ -284,6 +328,14 @@ def atomic_write_json(path: pathlib.Path, obj: Any) -> None:
         os.close(fd)
 
 
+def check_state(state: Any) -> None:
+    """Raises ``TypeError`` unless ``state`` has the ``step`` field checkpoints count by."""
+    if not hasattr(state, "step"):
+        raise TypeError(
+            f"state must have a 'step' field (int32 scalar), got {type(state).__name__}"
+        )
+
+
 def check_directory(directory: pathlib.Path) -> None:
     """Creates ``directory`` (and its parents) and checks that it can be written."""
     probe = directory / f".stabljax-probe-{os.getpid()}-{jax.process_index()}"
@@ -338,7 +390,7 @@ class CheckpointStore:
         self.async_save = async_save
         self.keep = keep
         self.state_bytes = 0
-        self._log = log
+        self.log = log
         self.manager = ocp.CheckpointManager(
             directory,
             item_names=("state", "data", "meta"),
@@ -395,11 +447,11 @@ class CheckpointStore:
                 raise
             raise self._failed(inflight[0], e) from e
         if inflight is not None:
-            self._log("save", inflight[0], **inflight[1])
+            self.log("save", inflight[0], **inflight[1])
 
     def _failed(self, step: int, e: BaseException) -> CheckpointSaveError:
         cause = f"{type(e).__name__}: {e}"[:400]
-        self._log("save_failed", step, error=cause)
+        self.log("save_failed", step, error=cause)
         if _is_disk_full(e):
             free = shutil.disk_usage(self.directory).free
             need = self.state_bytes
@@ -430,6 +482,11 @@ class CheckpointStore:
         resume_only: bool,
     ) -> None:
         """Writes checkpoint ``step`` (any thread): retention first, then the save."""
+        if (actual := int(to_host(state.step))) != step:
+            raise ValueError(
+                f"state.step is {actual} but the controller counted {step} steps: the train "
+                "step must increment state.step by one on every call (skipped or not)"
+            )
         self.commit()
         self.retain(kept())
         if score is not None and not resume_only:
@@ -496,6 +553,36 @@ class CheckpointStore:
                 raise ValueError(f"checkpoint {step}: state fingerprint mismatch (corrupted data)")
         return state, meta, out.get("data") if data_item is not None else None
 
+    def restore_into(
+        self, step: int, abstract: Any, data: Any, *, with_data: bool, verify: bool
+    ) -> tuple[Any, dict[str, Any]]:
+        """Restores checkpoint ``step``; with ``with_data`` also moves ``data`` to its position."""
+        item = data_item(data, restore=True) if with_data else None
+        state, meta, data_state = self.restore(step, abstract, item, verify=verify)
+        if with_data and _grain_source(data) is not None:
+            data._set_index(int(meta["data_index"]))
+        elif with_data:
+            if int(data_state["index"]) != int(meta["data_index"]):
+                raise ValueError(f"checkpoint {step}: data position disagrees with meta")
+            data.set_state(dict(data_state))
+        return state, meta
+
+    def first_restorable(
+        self, order: Sequence[int], restore: Callable[[int], Any]
+    ) -> tuple[int, Any] | None:
+        """The first of ``order`` that ``restore`` reads everywhere, as ``(step, result)``;
+        the ones that fail before it are set aside as corrupt."""
+        failed, found = [], None
+        for s in order:
+            result = try_everywhere(lambda s=s: restore(s), self.log, s)
+            if result is not None:
+                found = (s, result)
+                break
+            failed.append(s)
+        for s in failed:
+            self.set_aside(s)
+        return found
+
     # ----------------------------------------------------------------------- retention
 
     def best(self, steps: Sequence[int]) -> int | None:
@@ -540,6 +627,7 @@ class CheckpointStore:
 
     def clean_leftovers(self, record_name: str) -> None:
         """Removes what a crash left: a half-written record, a trash sweep cut short."""
+        self.settle()
         if is_primary():
             for tmp in self.directory.glob(f".{record_name}.tmp-*"):
                 tmp.unlink(missing_ok=True)

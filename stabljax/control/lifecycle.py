@@ -197,10 +197,45 @@ class PreemptionWatch:
         return bool(flags.any())
 
 
+def drive(ctl: Any, train_step: Any, state: Any, data: Any, target: int, bar: Progress):
+    """The loop of ``RollbackController.run``: ``(state, data, preempted, exhausted)``.
+
+    Feeds ``next(data)`` to ``train_step`` and ``ctl.step`` until ``ctl.current_step``
+    reaches ``target``, then ``ctl.finish`` (which may roll back, and the loop goes on).
+    The data running out (``StopIteration``, or :class:`DataExhausted` from a rollback's
+    skip) and :class:`Preempted` end it with the state as saved; anything else propagates.
+    """
+    preempted = exhausted = False
+    try:
+        while ctl.current_step < target and not exhausted:
+            try:
+                batch = next(data)
+            except StopIteration:
+                exhausted = True
+                state, data = ctl.finish(state, data)
+                continue
+            state, metrics = train_step(state, batch)
+            state, data = ctl.step(state, metrics, data)
+            bar.show(ctl)
+            if ctl.current_step >= target:
+                state, data = ctl.finish(state, data)
+    except Preempted as e:
+        state, preempted = e.state, True
+    except DataExhausted as e:
+        state, exhausted = e.state, True
+    finally:
+        bar.show(ctl)
+        bar.close()
+    return state, data, preempted, exhausted
+
+
 class Progress:
     """tqdm when installed, else a line on stderr every 10%."""
 
-    def __init__(self, total: int, initial: int):
+    def __init__(self, total: int, initial: int, *, enabled: bool = True):
+        self._enabled = enabled
+        if not enabled:
+            return
         try:
             from tqdm.auto import tqdm
         except ImportError:  # pragma: no cover - tqdm is an optional dependency
@@ -209,6 +244,19 @@ class Progress:
         if tqdm is not None:
             self._bar = tqdm(total=total, initial=initial, desc="train", dynamic_ncols=True)
         self._total, self._last = total, initial
+
+    def show(self, ctl: Any) -> None:
+        """Shows the controller's step, smoothed loss, spikes, rollbacks, skipped batches."""
+        if not self._enabled:
+            return
+        loss = ctl.smoothed_loss
+        postfix = {
+            "loss": "-" if loss is None else f"{loss:.4g}",
+            "spikes": ctl.events.count("spike"),
+            "rollbacks": ctl.rollbacks,
+            "skipped": sum(b - a for a, b in ctl.skipped_ranges),
+        }
+        self.update(ctl.current_step, postfix)
 
     def update(self, n: int, postfix: Mapping[str, Any]) -> None:
         if self._bar is not None:
@@ -224,7 +272,7 @@ class Progress:
             print(f"train {n}/{self._total} {items}", file=sys.stderr, flush=True)
 
     def close(self) -> None:
-        if self._bar is not None:
+        if self._enabled and self._bar is not None:
             self._bar.close()
 
 

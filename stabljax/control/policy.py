@@ -29,7 +29,16 @@ from typing import Any
 ACTIONS = ("record", "warn", "rollback", "rollback_best", "raise")
 
 
-def check_config(*, save_every: int, keep: int, rollback_margin: int) -> None:
+def check_config(
+    *,
+    save_every: int,
+    keep: int,
+    rollback_margin: int,
+    extra_skip: int = 0,
+    max_rollbacks: int = 0,
+    background_save: bool = False,
+    processes: int = 1,
+) -> None:
     """Raises ``ValueError`` for a combination of arguments that cannot work.
 
     A rollback needs a kept checkpoint at least ``rollback_margin`` steps before the onset.
@@ -46,9 +55,21 @@ def check_config(*, save_every: int, keep: int, rollback_margin: int) -> None:
       ...
       ValueError: rollback_margin=100 is more than save_every=10 x keep=3 checkpoints can hold ...
     """
-    for name, value, low in (("save_every", save_every, 1), ("keep", keep, 1)):
+    for name, value, low in (
+        ("save_every", save_every, 1),
+        ("keep", keep, 1),
+        ("rollback_margin", rollback_margin, 0),
+        ("extra_skip", extra_skip, 0),
+        ("max_rollbacks", max_rollbacks, 0),
+    ):
         if isinstance(value, bool) or int(value) != value or value < low:
             raise ValueError(f"{name} must be an int >= {low}, got {value!r}")
+    if background_save and processes > 1:
+        raise ValueError(
+            f"background_save=True needs a single process, got {processes}: Orbax "
+            "synchronises hosts with device collectives, which a background thread would "
+            "issue in an order unrelated to the train step's own"
+        )
     if rollback_margin and rollback_margin >= keep * save_every:
         need_keep = rollback_margin // save_every + 1
         raise ValueError(
