@@ -93,8 +93,8 @@ def give_up(
     step = triggers[0].step
     reasons = [d.reason for d in triggers]
     message = diverged_message(headline, step, reasons, monitor.losses_before(step), ledger)
+    store.settle()  # a save in flight commits (and is logged) before the verdict
     log("diverged", max(d.step for d in triggers), message=message)
-    store.settle()
     raise TrainingDiverged(message, ledger.history)
 
 
