@@ -143,12 +143,14 @@ class PreemptionWatch:
         self.signum: int | None = None
         self._previous: dict[int, Any] = {}
         self._sync = False  # JAX's preemption service decides (several processes)
+        self._probed = False
         self._calls = 0
 
     def install(self) -> None:
         """Installs the handlers (main thread only); the sync point on several processes."""
         self.signum = None
-        if jax.process_count() > 1:
+        if jax.process_count() > 1 and not self._probed:
+            self._probed = True  # once: the protocol wants increasing step ids
             try:
                 multihost_utils.reached_preemption_sync_point(0)
                 self._sync = True
@@ -191,8 +193,8 @@ class PreemptionWatch:
             if multihost_utils.reached_preemption_sync_point(self._calls):
                 self.signum = self.signum or signal.SIGTERM
                 return True
-        if not agree:
-            return False
+        if not agree or not self._previous:
+            return False  # no handler of ours: only the sync point can ask
         flags = multihost_utils.process_allgather(np.asarray(self.signum is not None, np.int32))
         return bool(flags.any())
 
