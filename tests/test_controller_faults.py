@@ -276,6 +276,24 @@ def test_a_failed_async_save_is_reported_naming_its_step_and_nothing_claims_it(
     assert "save_failed" in kinds and 30 not in _saved_steps(d)
 
 
+@pytest.mark.parametrize("exc", [KeyboardInterrupt, RuntimeError], ids=["ctrl_c", "error"])
+def test_an_interrupt_right_after_an_async_save_finishes_it_first(tmp_path, reference, exc):
+    state0, step = make_toy(extra=2_000_000)  # 8 MB: the step-40 save is still in flight
+
+    def interrupted(state, batch):
+        if int(state.step) == 41 and ctl.rollbacks == 1:
+            raise exc("stop")
+        return step(state, batch)
+
+    ctl = _controller(tmp_path)
+    with pytest.raises(exc):
+        ctl.run(interrupted, state0, IndexedBatches(batch_fn_factory(BAD)), 120, progress=False)
+    assert _saved_steps(tmp_path)[-1] == 40 and (tmp_path / "40").is_dir()
+    _controller(tmp_path).close()  # run() released the directory on its way out
+    ctl2 = _resume_here(tmp_path, reference)
+    assert next(e for e in ctl2.events if e.kind == "restore").step == 40
+
+
 # ---------------------------------------------------------------------------- disk full
 
 
