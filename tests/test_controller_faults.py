@@ -586,3 +586,26 @@ def test_signals_at_many_random_points_preempt_cleanly_and_resume_exactly(
     tmp_path, reference, signum
 ):
     _sweep(tmp_path, reference, signum, 8, seed=100 + int(signum))
+
+
+def test_in_a_hand_written_loop_step_raises_preempted_after_saving(tmp_path):
+    from stabljax.control import Preempted
+
+    before = signal.getsignal(signal.SIGINT)
+    ctl = _controller(tmp_path, preemption_signals=(signal.SIGTERM, signal.SIGINT))
+    state, data = ctl.restore_or_init(STATE0, IndexedBatches(batch_fn_factory()))
+    with pytest.raises(Preempted) as info:
+        while ctl.current_step < 100:
+            state, metrics = STEP(state, next(data))
+            if ctl.current_step == 13:
+                os.kill(os.getpid(), signal.SIGINT)  # Ctrl-C, asked to mean "preempt"
+            state, data = ctl.step(state, metrics, data)
+    err = info.value
+    assert isinstance(err, SystemExit) and err.code == 0
+    assert err.step == 14 and err.saved and err.signum == signal.SIGINT
+    ctl.close()
+    assert signal.getsignal(signal.SIGINT) is before
+    assert _kinds(tmp_path)[-2:] == ["save", "preempted"] and _saved_steps(tmp_path)[-1] == 14
+    with _controller(tmp_path) as ctl:
+        state, data = ctl.restore_or_init(STATE0, IndexedBatches(batch_fn_factory()))
+        assert ctl.current_step == 14 and data.index == 14
