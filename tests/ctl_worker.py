@@ -109,6 +109,7 @@ def _train(args) -> int:
     from stabljax.control import IndexedBatches, RollbackController
 
     state, train_step = make_toy(extra=args.extra, donate=args.background)
+    signals = {"term": signal.SIGTERM, "int": signal.SIGINT}
     ctl = RollbackController(
         args.dir,
         save_every=args.save_every,
@@ -118,14 +119,25 @@ def _train(args) -> int:
         max_rollbacks=20,
         async_save=not args.sync,
         background_save=args.background,
+        preemption_signals=[signals[s] for s in args.signals.split(",") if s],
     )
     batch_fn = batch_fn_factory(_ints(args.bad))
     state, data = ctl.restore_or_init(state, IndexedBatches(batch_fn))
+    print("ready", flush=True)  # the signal handlers are in place
+    if args.run:
+        with ctl:
+            state, data = ctl.run(train_step, state, data, args.steps, progress=False)
+        if ctl.last_run.preempted:
+            with open(args.out + ".preempted.json", "w") as f:
+                json.dump({"step": ctl.last_run.step, "reached": ctl.last_run.reached}, f)
+            return 0
     while ctl.current_step < args.steps:
         state, metrics = train_step(state, next(data))
         state, data = ctl.step(state, metrics, data)
         if args.kill_at_save and ctl.events.count("save") >= args.kill_at_save:
-            os.kill(os.getpid(), signal.SIGKILL)  # a save is in flight
+            os.kill(os.getpid(), signal.SIGKILL)
+        if args.kill_at_step and ctl.current_step == args.kill_at_step:
+            os.kill(os.getpid(), signal.SIGKILL)  # the save of this step is in flight
         if ctl.current_step >= args.steps:
             state, data = ctl.finish(state, data)
     ctl.close()
@@ -209,6 +221,9 @@ def main(argv=None) -> int:
     p.add_argument("--sync", action="store_true", help="synchronous saves")
     p.add_argument("--background", action="store_true", help="background_save, donating step")
     p.add_argument("--kill-at-save", type=int, default=0, help="SIGKILL self after N saves")
+    p.add_argument("--kill-at-step", type=int, default=0, help="SIGKILL self at this step")
+    p.add_argument("--run", action="store_true", help="train with ctl.run (preemptible)")
+    p.add_argument("--signals", default="term", help="preemption signals: term,int")
     p.add_argument("--process-id", type=int, default=None)
     p.add_argument("--port", type=int, default=0)
     args = p.parse_args(argv)

@@ -226,7 +226,7 @@ def test_step_does_not_read_the_current_metrics(tmp_path):
         if k:
             assert all(v.reads > 0 for v in probes[k - 1].values())
     # On a save step the current metrics are read too: the save waits for the step anyway.
-    ctl2 = _controller(tmp_path / "b", save_every=2)
+    ctl2 = _controller(tmp_path / "b", save_every=2, rollback_margin=2)  # 10 > 2 x keep 3
     s, d = ctl2.restore_or_init(STATE0, IndexedBatches(batch_fn_factory()))
     s, m = STEP(s, next(d))
     s, d = ctl2.step(s, {"loss": (p1 := _Probe(1.0))}, d)

@@ -222,11 +222,6 @@ def test_controller_records_a_short_overflow_run_and_rolls_back_a_long_one(tmp_p
     assert start <= 22 and end >= 27
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="RollbackController does not yet raise TrainingDiverged for a Detection with "
-    "action 'raise' (the port is described in the detectors' report)",
-)
 def test_controller_raises_on_a_stuck_scale_when_asked(tmp_path):
     step = fp16_step(8.0, 1.0)
     with _controller(tmp_path, max_overflow_streak=6, on_stuck="raise") as ctl:

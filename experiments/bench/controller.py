@@ -105,10 +105,12 @@ def run(cfg: Config) -> tuple[list[dict], dict]:
         directory = tempfile.mkdtemp(prefix="stabljax-bench-ctl-")
         try:
             ctl = stabljax.RollbackController(
-                directory, save_every=cfg.save_every, background_save=background
+                directory,
+                save_every=cfg.save_every,
+                rollback_margin=cfg.save_every,  # a margin the kept checkpoints can hold
+                background_save=background,
             )
             state, data = ctl.restore_or_init(fresh(), stabljax.IndexedBatches(batch_fn))
-            ctl._manager.wait_until_finished()  # the step-0 save is setup, not the loop
             jax.block_until_ready(state)
             t0 = time.perf_counter()
             while ctl.current_step < cfg.steps:

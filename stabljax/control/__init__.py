@@ -13,8 +13,9 @@ an index) and the event log.
   ``events.jsonl``.
 """
 
+from stabljax.control.checkpoints import CheckpointMismatch as CheckpointMismatch
+from stabljax.control.checkpoints import CheckpointSaveError as CheckpointSaveError
 from stabljax.control.controller import RollbackController as RollbackController
-from stabljax.control.controller import TrainingDiverged as TrainingDiverged
 from stabljax.control.data import DataIterator as DataIterator
 from stabljax.control.data import GrainDatasetIterator as GrainDatasetIterator
 from stabljax.control.data import GrainLoaderIterator as GrainLoaderIterator
@@ -35,9 +36,16 @@ from stabljax.control.events import Event as Event
 from stabljax.control.events import EventKind as EventKind
 from stabljax.control.events import EventLog as EventLog
 from stabljax.control.events import read_events as read_events
+from stabljax.control.ledger import TrainingDiverged as TrainingDiverged
+from stabljax.control.lifecycle import DataExhausted as DataExhausted
+from stabljax.control.lifecycle import Preempted as Preempted
+from stabljax.control.lifecycle import RunResult as RunResult
 
 __all__ = (
     "EVENT_KINDS",
+    "CheckpointMismatch",
+    "CheckpointSaveError",
+    "DataExhausted",
     "DataIterator",
     "Detection",
     "Detector",
@@ -49,7 +57,9 @@ __all__ = (
     "GrainLoaderIterator",
     "IndexedBatches",
     "PlainIterator",
+    "Preempted",
     "RollbackController",
+    "RunResult",
     "SlowDivergenceDetector",
     "SpikeDetector",
     "TrainingDiverged",

@@ -75,7 +75,12 @@ class DataIterator(Iterator[Any]):
 
     Attributes:
       skipped_ranges: merged half-open ranges never yielded (set by the controller).
+      config: JSON-able description of the data (batch size, sequence length, corpus
+        identity) or ``None``; the controller records it and refuses to resume with
+        another one.
     """
+
+    config: Any = None
 
     def __init__(self, *, start: int = 0):
         if start < 0:
@@ -149,11 +154,16 @@ class IndexedBatches(DataIterator):
 
     The batch is a pure function of its index, so skipping and restoring are free and
     exact: the iterator behind the ledger-honesty guarantee of the rollback controller.
+    A finite ``batch_fn`` ends the data by raising ``IndexError`` (as a sequence does),
+    which becomes ``StopIteration``.
 
     Args:
       batch_fn: a function of a non-negative int returning a batch (e.g.
         :func:`stabljax.data.lm_batch_fn`).
       start: the first index.
+      config: JSON-able description of the data (e.g. ``{"batch_size": 8, "seq_len":
+        64, "corpus": "sha256:..."}``), recorded in every checkpoint and compared on
+        resume.
 
     Example:
       >>> from stabljax.control import IndexedBatches
@@ -173,14 +183,18 @@ class IndexedBatches(DataIterator):
       90
     """
 
-    def __init__(self, batch_fn: Callable[[int], Any], *, start: int = 0):
+    def __init__(self, batch_fn: Callable[[int], Any], *, start: int = 0, config: Any = None):
         if not callable(batch_fn):
             raise TypeError(f"batch_fn must be callable, got {type(batch_fn).__name__}")
         super().__init__(start=start)
         self.batch_fn = batch_fn
+        self.config = None if config is None else json.loads(json.dumps(config))
 
     def _fetch(self) -> Any:
-        return self.batch_fn(self._index)
+        try:
+            return self.batch_fn(self._index)
+        except IndexError as e:
+            raise StopIteration(f"batch_fn({self._index}) raised IndexError: {e}") from e
 
     def _advance(self, n: int) -> None:
         pass

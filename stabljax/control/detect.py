@@ -353,7 +353,8 @@ class DivergenceDetector:
 
     - more than ``max_overflow_streak`` consecutive overflowed steps (default
       ``max_skip_streak``, so a pure overflow streak ends as ``on_stuck`` where a guard
-      streak would roll back); the scaler's own backoff from ``initial_scale`` overflows
+      streak would roll back; a streak of overflows alone is judged by this limit, not
+      by ``max_skip_streak``); the scaler's own backoff from ``initial_scale`` overflows
       about ``log2(initial_scale / needed scale)`` steps in a row, 15 at most with
       ``Precision.fp16()``'s defaults, so keep the limit above that;
     - ``max_floor_steps`` consecutive steps run at ``loss_scale <= min_scale``, counted
@@ -503,7 +504,8 @@ class DivergenceDetector:
             details["cause"] = "loss_scale_floor"
             self._floor_onset, self._floor_steps = None, 0
             return Detection("divergence", int(step), onset, self.on_stuck, reason, x, details)
-        if streak > self.max_skip_streak:
+        # A streak made only of overflows is max_overflow_streak's (above) to judge.
+        if streak > self.max_skip_streak and streak > self._overflow_streak:
             onset = int(step) - streak + 1
             reason = (
                 f"{streak} consecutive steps skipped by a guard or an overflow up to step "

@@ -22,6 +22,8 @@ from typing import Any, Literal, get_args
 
 EventKind = Literal[
     "save",
+    "save_deferred",
+    "save_failed",
     "restore",
     "spike",
     "divergence",
@@ -30,15 +32,22 @@ EventKind = Literal[
     "skip",
     "corrupt_checkpoint",
     "diverged",
+    "preempted",
+    "data_exhausted",
 ]
 """The kinds of :class:`Event`.
 
-``save`` / ``restore``: a checkpoint written / read. ``spike``, ``divergence``,
+``save`` / ``restore``: a checkpoint committed / read (a ``save`` event is written only
+once the checkpoint is complete on disk). ``save_deferred``: a due save postponed because
+an episode was open or the last loss was not finite (``details["reason"]``).
+``save_failed``: a save that did not commit (``details["error"]``). ``spike``, ``divergence``,
 ``slow_divergence``: a detector fired (``details["action"]`` says whether it was only
 recorded or caused a rollback). ``rollback``: the state went back to an earlier
 checkpoint. ``skip``: a data range was added to the skip ledger.
 ``corrupt_checkpoint``: a checkpoint failed to restore or verify and was set aside.
 ``diverged``: the controller gave up (:class:`~stabljax.control.controller.TrainingDiverged`).
+``preempted``: a preemption signal stopped the run at a step boundary (``details["saved"]``).
+``data_exhausted``: the data ran out before the target step.
 """
 
 EVENT_KINDS: tuple[str, ...] = get_args(EventKind)

@@ -1,0 +1,282 @@
+"""The controller's life in an operator's world: one job per directory, preemption,
+the outcome of a run, and the progress bar.
+
+* :class:`DirectoryLock` — an advisory ``fcntl.flock`` on ``stabljax.lock`` (process 0;
+  ``stabljax.lock.<i>`` for process ``i``), so a second job, or a second controller in
+  the same process, on the same directory is refused. The kernel drops the lock when its
+  holder dies, so a crashed job never leaves it held. Each process of a multi-host job
+  locks its own file: two jobs then conflict on every shared index, while the processes
+  of one job do not conflict with each other.
+* :class:`PreemptionWatch` — turns SIGTERM (and SIGINT, if asked) into a request to stop
+  at the next step boundary; on several processes JAX's preemption sync point decides,
+  so every process stops at the same step.
+* :class:`Preempted`, :class:`RunResult` — how a run ends.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import errno
+import fcntl
+import gc
+import os
+import pathlib
+import signal
+import socket
+import sys
+import threading
+import warnings
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+import jax
+import numpy as np
+from jax.experimental import multihost_utils
+
+
+class Preempted(SystemExit):
+    """Raised by ``RollbackController.step`` after a preemption save.
+
+    A SIGTERM (or a signal in ``preemption_signals``) asked the job to stop; the state
+    of step ``step`` was saved (unless unhealthy, see ``saved``), events and the ledger
+    are on disk, and a restart resumes exactly. It derives from ``SystemExit`` (code 0)
+    so that an unhandled one ends the process cleanly; :meth:`RollbackController.run`
+    catches it and returns, with ``ctl.last_run.preempted`` true.
+    """
+
+    def __init__(self, step: int, signum: int | None, saved: bool, state: Any = None):
+        super().__init__(0)
+        self.step, self.signum, self.saved, self.state = step, signum, saved, state
+
+    def __str__(self) -> str:
+        name = signal.Signals(self.signum).name if self.signum else "preemption notice"
+        return f"preempted by {name} at step {self.step} (saved: {self.saved})"
+
+
+@dataclasses.dataclass(frozen=True)
+class RunResult:
+    """How :meth:`RollbackController.run` ended (``ctl.last_run``).
+
+    Attributes:
+      step: ``state.step`` at the end.
+      target: the ``num_steps`` asked for.
+      reached: ``step == target``.
+      preempted: a preemption signal stopped it (the state was saved).
+      data_exhausted: the data ran out (``StopIteration``, or ``IndexError`` from a
+        ``batch_fn``) before the target, possibly inside a rollback's skip.
+    """
+
+    step: int
+    target: int
+    reached: bool
+    preempted: bool = False
+    data_exhausted: bool = False
+
+
+class DataExhausted(RuntimeError):
+    """The data ran out inside the controller (a rollback's skip past its end).
+
+    ``RollbackController.run`` turns it into ``ctl.last_run.data_exhausted``; a
+    hand-written loop sees it from ``step``.
+    """
+
+
+class DirectoryLock:
+    """An exclusive advisory lock on ``directory/stabljax.lock[.<process>]``."""
+
+    def __init__(self, directory: pathlib.Path):
+        i = jax.process_index()
+        self.path = directory / ("stabljax.lock" if i == 0 else f"stabljax.lock.{i}")
+        self._fd: int | None = None
+
+    def acquire(self) -> None:
+        for attempt in range(2):
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except OSError as e:
+                os.close(fd)
+                if e.errno not in (errno.EAGAIN, errno.EACCES, errno.EWOULDBLOCK):
+                    raise
+                if attempt == 0:
+                    gc.collect()  # an unreachable controller of this process may hold it
+                    continue
+                try:
+                    holder = self.path.read_text().strip() or "unknown"
+                except OSError:
+                    holder = "unknown"
+                raise RuntimeError(
+                    f"checkpoint directory {str(self.path.parent)!r} is already in use by "
+                    f"another RollbackController (lock {self.path.name} held by {holder}); "
+                    "two jobs on one directory would race on saves and deletes. Stop the "
+                    "other job, close() the other controller, or use another directory."
+                ) from e
+            os.ftruncate(fd, 0)
+            os.write(fd, f"pid {os.getpid()} on {socket.gethostname()}\n".encode())
+            self._fd = fd
+            return
+
+    def release(self) -> None:
+        fd, self._fd = self._fd, None
+        if fd is not None:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_UN)
+            finally:
+                os.close(fd)
+
+    @property
+    def held(self) -> bool:
+        return self._fd is not None
+
+    def __del__(self):  # a controller dropped without close() frees its directory
+        self.release()
+
+
+class PreemptionWatch:
+    """A stop request from a signal (one process) or JAX's preemption sync point."""
+
+    def __init__(self, signals: Iterable[int]):
+        self.signals = tuple(signal.Signals(s) for s in signals)
+        for s in self.signals:
+            if s in (signal.SIGKILL, signal.SIGSTOP):
+                raise ValueError(f"preemption_signals: {s.name} cannot be caught")
+        self.signum: int | None = None
+        self._previous: dict[int, Any] = {}
+        self._sync = False  # JAX's preemption service decides (several processes)
+        self._probed = False
+        self._calls = 0
+
+    def install(self) -> None:
+        """Installs the handlers (main thread only); the sync point on several processes."""
+        self.signum = None
+        if jax.process_count() > 1 and not self._probed:
+            self._probed = True  # once: the protocol wants increasing step ids
+            try:
+                multihost_utils.reached_preemption_sync_point(0)
+                self._sync = True
+            except RuntimeError:
+                self._sync = False
+        if self._previous or threading.current_thread() is not threading.main_thread():
+            return
+        for s in self.signals:
+            if self._sync and s == signal.SIGTERM:
+                continue  # JAX's preemption notifier owns SIGTERM
+            self._previous[s] = signal.signal(s, self._handler)
+
+    def _handler(self, signum: int, frame: Any) -> None:
+        if self.signum is not None and signum == signal.SIGINT:
+            raise KeyboardInterrupt  # a second Ctrl-C: stop now
+        self.signum = signum
+
+    def restore(self) -> None:
+        """Puts the previous handlers back."""
+        previous, self._previous = self._previous, {}
+        for s, handler in previous.items():
+            try:
+                signal.signal(s, handler)
+            except (ValueError, TypeError):  # not the main thread / a C handler
+                pass
+
+    def should_stop(self, *, agree: bool) -> bool:
+        """Whether to stop now; call once per step on every process.
+
+        Args:
+          agree: on several processes without the preemption service, combine the
+            processes' flags now (a collective: the caller does it on save steps only).
+        """
+        self._calls += 1
+        if jax.process_count() == 1:
+            return self.signum is not None
+        if self._sync:
+            # All processes call this once per step, so the call count is the step id
+            # the protocol wants (state.step goes back on a rollback).
+            if multihost_utils.reached_preemption_sync_point(self._calls):
+                self.signum = self.signum or signal.SIGTERM
+                return True
+        if not agree or not self._previous:
+            return False  # no handler of ours: only the sync point can ask
+        flags = multihost_utils.process_allgather(np.asarray(self.signum is not None, np.int32))
+        return bool(flags.any())
+
+
+def drive(ctl: Any, train_step: Any, state: Any, data: Any, target: int, bar: Progress):
+    """The loop of ``RollbackController.run``: ``(state, data, preempted, exhausted)``.
+
+    Feeds ``next(data)`` to ``train_step`` and ``ctl.step`` until ``ctl.current_step``
+    reaches ``target``, then ``ctl.finish`` (which may roll back, and the loop goes on).
+    The data running out (``StopIteration``, or :class:`DataExhausted` from a rollback's
+    skip) and :class:`Preempted` end it with the state as saved; anything else propagates.
+    """
+    preempted = exhausted = False
+    try:
+        while ctl.current_step < target and not exhausted:
+            try:
+                batch = next(data)
+            except StopIteration:
+                exhausted = True
+                state, data = ctl.finish(state, data)
+                continue
+            state, metrics = train_step(state, batch)
+            state, data = ctl.step(state, metrics, data)
+            bar.show(ctl)
+            if ctl.current_step >= target:
+                state, data = ctl.finish(state, data)
+    except Preempted as e:
+        state, preempted = e.state, True
+    except DataExhausted as e:
+        state, exhausted = e.state, True
+    finally:
+        bar.show(ctl)
+        bar.close()
+    return state, data, preempted, exhausted
+
+
+class Progress:
+    """tqdm when installed, else a line on stderr every 10%."""
+
+    def __init__(self, total: int, initial: int, *, enabled: bool = True):
+        self._enabled = enabled
+        if not enabled:
+            return
+        try:
+            from tqdm.auto import tqdm
+        except ImportError:  # pragma: no cover - tqdm is an optional dependency
+            tqdm = None
+        self._bar = None
+        if tqdm is not None:
+            self._bar = tqdm(total=total, initial=initial, desc="train", dynamic_ncols=True)
+        self._total, self._last = total, initial
+
+    def show(self, ctl: Any) -> None:
+        """Shows the controller's step, smoothed loss, spikes, rollbacks, skipped batches."""
+        if not self._enabled:
+            return
+        loss = ctl.smoothed_loss
+        postfix = {
+            "loss": "-" if loss is None else f"{loss:.4g}",
+            "spikes": ctl.events.count("spike"),
+            "rollbacks": ctl.rollbacks,
+            "skipped": sum(b - a for a, b in ctl.skipped_ranges),
+        }
+        self.update(ctl.current_step, postfix)
+
+    def update(self, n: int, postfix: Mapping[str, Any]) -> None:
+        if self._bar is not None:
+            if n < self._bar.n:
+                self._bar.n = n
+                self._bar.refresh()
+            else:
+                self._bar.update(n - self._bar.n)
+            self._bar.set_postfix(postfix, refresh=False)
+        elif n >= self._last + max(self._total // 10, 1) or n < self._last:
+            self._last = n
+            items = ", ".join(f"{k}={v}" for k, v in postfix.items())
+            print(f"train {n}/{self._total} {items}", file=sys.stderr, flush=True)
+
+    def close(self) -> None:
+        if self._enabled and self._bar is not None:
+            self._bar.close()
+
+
+def warn(message: str) -> None:
+    warnings.warn(message, RuntimeWarning, stacklevel=4)

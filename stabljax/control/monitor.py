@@ -1,0 +1,117 @@
+"""What the controller watches: the detectors, the smoothed loss and the recent losses.
+
+:class:`Monitor` turns one step's device metrics into host scalars (only the ones some
+detector reads), feeds them to every detector in order, and keeps what a checkpoint
+carries besides the state: the detectors' states and a bias-corrected EMA of the loss.
+It also keeps the last 64 losses for the messages of events and of
+:class:`~stabljax.control.ledger.TrainingDiverged`; a rollback trims them to the restored
+branch, so an event never mixes steps from an abandoned one.
+"""
+
+from __future__ import annotations
+
+import collections
+import math
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+from stabljax.control import policy
+from stabljax.control.checkpoints import host_scalars
+from stabljax.control.detect import Detection, Detector
+from stabljax.control.ledger import losses_before
+from stabljax.control.lifecycle import warn
+
+EMA_DECAY = 0.98
+
+
+class Monitor:
+    """Feeds the detectors and keeps the loss EMA and the recent losses."""
+
+    def __init__(self, detectors: Sequence[Detector], log: Callable[..., None]):
+        self.detectors = list(detectors)
+        names = [getattr(d, "name", None) for d in self.detectors]
+        for d in self.detectors:
+            if not all(hasattr(d, a) for a in ("name", "update", "get_state", "set_state")):
+                raise TypeError(f"detectors: {d!r} lacks the Detector interface")
+        if len(set(names)) != len(names):
+            raise ValueError(f"detector names must be unique, got {names}")
+        # Only the metrics some detector reads are fetched (each fetch is a host transfer).
+        wanted = [getattr(d, "keys", None) for d in self.detectors]
+        self.keys = None if any(k is None for k in wanted) else frozenset({"loss"}.union(*wanted))
+        self.rolls_back_to_best = any(
+            getattr(d, "action", "") == "rollback_best" for d in self.detectors
+        )
+        self._log = log
+        self.ema = [0.0, 0]
+        self.recent: collections.deque = collections.deque(maxlen=64)
+        self.last_loss: float | None = None
+
+    @staticmethod
+    def check_metrics(metrics: Any) -> None:
+        """Raises ``ValueError`` unless ``metrics`` is a dict with a ``"loss"``."""
+        if not isinstance(metrics, Mapping) or "loss" not in metrics:
+            keys = sorted(metrics) if isinstance(metrics, Mapping) else type(metrics).__name__
+            raise ValueError(
+                f"metrics must be a dict with a scalar 'loss' entry (the train step's loss); "
+                f"got {keys}"
+            )
+
+    @property
+    def smoothed_loss(self) -> float | None:
+        m, n = self.ema
+        return m / (1 - EMA_DECAY**n) if n else None
+
+    def active_onsets(self) -> list[int | None]:
+        return [getattr(d, "active_onset", None) for d in self.detectors]
+
+    def observe(self, step: int, metrics: Mapping[str, Any]) -> list[Detection]:
+        """Feeds step ``step``'s metrics to every detector; returns the detections.
+
+        Each detection is an event (a warning too for ``"warn"``); an action the
+        controller does not know is a ``ValueError`` here.
+        """
+        host = host_scalars(metrics, self.keys)
+        loss = self.last_loss = float(host["loss"])
+        self.recent.append((step, loss, bool(host.get("skipped", False))))
+        if math.isfinite(loss):
+            self.ema[0] = EMA_DECAY * self.ema[0] + (1 - EMA_DECAY) * loss
+            self.ema[1] += 1
+        found = []
+        for det in self.detectors:
+            d = det.update(step, host)
+            if d is None:
+                continue
+            policy.check_action(d.action, det.name)
+            found.append(d)
+            self._log(
+                d.kind,
+                d.step,
+                action=d.action,
+                onset=d.onset,
+                value=d.value,
+                reason=d.reason,
+                detector=det.name,
+                **d.details,
+            )
+            if d.action == "warn":
+                warn(d.reason)
+        return found
+
+    def losses_before(self, step: int) -> list[list[Any]]:
+        return losses_before(self.recent, step)
+
+    def to_meta(self) -> dict[str, Any]:
+        return {"detectors": {d.name: d.get_state() for d in self.detectors}, "ema": list(self.ema)}
+
+    def load(self, meta: Mapping[str, Any]) -> None:
+        """Takes the detectors' states and the EMA of a checkpoint's meta item."""
+        states = meta.get("detectors", {})
+        for d in self.detectors:
+            d.set_state(states.get(d.name, {}))
+        self.ema = [float(meta["ema"][0]), int(meta["ema"][1])]
+        self.last_loss = None
+
+    def trim(self, before: int) -> None:
+        """Forgets the losses of steps ``>= before`` (a rollback to checkpoint ``before``)."""
+        kept = [r for r in self.recent if r[0] < before]
+        self.recent = collections.deque(kept, maxlen=64)

@@ -1,0 +1,198 @@
+"""The two procedures that bring a checkpoint back: resuming a run and rolling back.
+
+Both are sequences of I/O steps in an order that crash safety depends on, so they live
+here, apart from the controller's per-step bookkeeping, as functions of the parts they
+use (the :class:`~stabljax.control.checkpoints.CheckpointStore`, the ledger, the data).
+
+* :func:`resume`: check the state and data config against the newest readable
+  checkpoint, finish a rollback that a crash interrupted (its record is newer than the
+  newest checkpoint), restore the newest checkpoint that reads and verifies (setting
+  aside the ones that do not), and merge the record's ledger.
+* :func:`roll_back`: choose the target (:func:`~stabljax.control.policy.restore_order`),
+  restore it, compute the skip (:func:`~stabljax.control.policy.skip_range`), write the
+  crash record, and only then delete the checkpoints newer than the target.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Callable, Sequence
+from typing import Any, NoReturn
+
+from stabljax.control import checkpoints as ck
+from stabljax.control import policy
+from stabljax.control.data import first_allowed
+from stabljax.control.detect import Detection
+from stabljax.control.ledger import RECORD, Ledger, TrainingDiverged, diverged_message, read_record
+from stabljax.control.lifecycle import DataExhausted
+from stabljax.control.monitor import Monitor
+
+
+@dataclasses.dataclass
+class Restored:
+    """A checkpoint brought back: its state and meta, the ledger and the data index."""
+
+    state: Any
+    meta: dict[str, Any]
+    ledger: Ledger
+    index: int
+    step: int
+    detail: dict[str, Any] = dataclasses.field(default_factory=dict)
+
+
+def resume(
+    store: ck.CheckpointStore,
+    steps: Sequence[int],
+    abstract: Any,
+    data_config: Any,
+    restore: Callable[[int], tuple[Any, dict[str, Any]]],
+    *,
+    delete_newer_than: Callable[[int], None],
+) -> Restored:
+    """Restores the newest valid checkpoint of ``steps`` (ascending) with its data."""
+    directory = store.directory
+    record = read_record(directory)
+    metas = (
+        ck.try_everywhere(lambda s=s: store.read_meta(s), store.log, None) for s in steps[::-1]
+    )
+    newest = next(filter(None, metas), None)
+    if newest is not None:
+        ck.check_compatible(newest, abstract, data_config, directory)
+    pending = record is not None and record["target_step"] in steps
+    pending = pending and (newest is None or newest["rollbacks"] < record["rollbacks"])
+    if pending:
+        delete_newer_than(record["target_step"])
+        steps = [s for s in steps if s <= record["target_step"]]
+    found = store.first_restorable(steps[::-1], restore)
+    if found is None:
+        raise RuntimeError(
+            f"no checkpoint in {directory} could be restored (tried steps {list(steps)}; "
+            "see events.jsonl). If the train state's structure changed, use a new directory."
+        )
+    step, (state, meta) = found
+    ledger = Ledger.from_meta(meta)
+    index = int(meta["data_index"])
+    if ledger.merge_record(record) and step == record["target_step"]:
+        index = max(index, int(record["data_index"]))
+    reason = "resume" + (" (finished an interrupted rollback)" if pending else "")
+    return Restored(
+        state, meta, ledger, first_allowed(index, ledger.ranges), step, {"reason": reason}
+    )
+
+
+def give_up(
+    triggers: Sequence[Detection],
+    headline: str,
+    monitor: Monitor,
+    ledger: Ledger,
+    store: ck.CheckpointStore,
+    log: Callable[..., None],
+) -> NoReturn:
+    """Logs ``diverged``, waits for saves in flight and raises :class:`TrainingDiverged`."""
+    step = triggers[0].step
+    reasons = [d.reason for d in triggers]
+    message = diverged_message(headline, step, reasons, monitor.losses_before(step), ledger)
+    store.settle()  # a save in flight commits (and is logged) before the verdict
+    log("diverged", max(d.step for d in triggers), message=message)
+    raise TrainingDiverged(message, ledger.history)
+
+
+def seek(data: Any, index: int, state: Any, step: int) -> None:
+    """Moves ``data`` to ``index``; running out is :class:`DataExhausted` (with ``state``)."""
+    try:
+        data.seek(index)
+    except StopIteration:
+        err = DataExhausted(f"the data ran out moving to batch {index} at step {step}")
+        err.state = state
+        raise err from None
+
+
+def roll_back(
+    store: ck.CheckpointStore,
+    triggers: Sequence[Detection],
+    *,
+    ledger: Ledger,
+    monitor: Monitor,
+    fed_end: int,
+    margin: int,
+    extra_skip: int,
+    window: int,
+    max_rollbacks: int,
+    restore: Callable[[int], tuple[Any, dict[str, Any]]],
+    retain: Callable[[], None],
+    delete_newer_than: Callable[[int], None],
+    log: Callable[..., None],
+) -> Restored:
+    """Restores the rollback target for ``triggers`` and records the skip, crash-safely.
+
+    After ``max_rollbacks`` rollbacks it raises :class:`TrainingDiverged` instead.
+
+    The onset is the earliest of the triggers' and of any episode still open in another
+    detector. ``rollback_best`` detections (all of them) go to the best checkpoint.
+
+    Args:
+      fed_end: one past the last data index fed before the rollback.
+      window: ``save_every * keep``, the span that makes rollbacks consecutive.
+    """
+    if ledger.rollbacks >= max_rollbacks:
+        headline = (
+            f"Training diverged: {ledger.rollbacks} rollback(s) (max_rollbacks="
+            f"{max_rollbacks}) did not get past the trouble."
+        )
+        give_up(triggers, headline, monitor, ledger, store, log)
+    store.settle()
+    retain()
+    detected = max(d.step for d in triggers)
+    active = [o for o in monitor.active_onsets() if o is not None]
+    onset = min([d.onset for d in triggers] + active)
+    to_best = monitor.rolls_back_to_best and all(d.action == "rollback_best" for d in triggers)
+    best = store.best(store.steps()) if to_best else None
+    losses = monitor.losses_before(detected)
+    order, margin_met = policy.restore_order(
+        store.steps(), onset=onset, margin=margin, best=best, exclude=store.resume_only
+    )
+    found = store.first_restorable(order, restore)
+    if found is None:
+        raise RuntimeError(
+            f"rollback at step {detected}: no checkpoint in {store.directory} could be "
+            f"restored (tried {order})"
+        )
+    target, (state, meta) = found
+    skip = policy.skip_range(
+        start=int(meta["data_index"]),
+        fed_end=fed_end,
+        extra_skip=extra_skip,
+        detected=detected,
+        last_rollback=ledger.last_rollback,
+        window=window,
+    )
+    entry = {
+        "detected": detected,
+        "onset": onset,
+        "restored": target,
+        "range": [skip.start, skip.end],
+        "length": skip.length,
+        "doubled": skip.doubled,
+        "reason": "; ".join(d.reason for d in triggers),
+        "losses": losses,
+    }
+    new = ledger.after_rollback(entry, (skip.start, skip.end))
+    resume_at = first_allowed(skip.end, new.ranges)
+    if ck.is_primary():
+        record = new.record(target_step=target, data_index=resume_at, time=time.time())
+        ck.atomic_write_json(store.directory / RECORD, record)
+    ck.barrier(f"rollback_record_{new.rollbacks}")
+    delete_newer_than(target)  # only now: a crash before this is finished on restart
+    log(
+        "rollback",
+        detected,
+        onset=onset,
+        restored_step=target,
+        margin_met=margin_met,
+        reason=entry["reason"],
+        losses=losses,
+        rollbacks=new.rollbacks,
+    )
+    log("skip", detected, range=entry["range"], length=skip.length, doubled=skip.doubled)
+    return Restored(state, meta, new, resume_at, target)
