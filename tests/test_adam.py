@@ -18,6 +18,7 @@ from helpers import (
 )
 
 from stabljax.optim import adam
+from stabljax.optim.guards import skip_nonfinite
 
 DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
 
@@ -139,7 +140,7 @@ def test_safe_adam_matches_float64_numpy(nesterov, b1, b2, eps, eps_root):
     for u, w in zip(got, want, strict=True):
         np.testing.assert_allclose(np.asarray(u), w, rtol=1e-5, atol=1e-6)
     assert np.asarray(got[-1])[0] == 0.0  # the unused coordinate: exactly 0
-    assert int(state.safe_adam_count) == len(seq)
+    assert int(state.count) == len(seq)
 
 
 @pytest.mark.parametrize("b1,b2,a,b", [(0.9, 0.999, 1.27, 1.0), (0.8, 0.99, 2.0, 0.5)])
@@ -150,7 +151,7 @@ def test_adam_atan2_matches_float64_numpy(b1, b2, a, b):
     )
     for u, w in zip(got, _np_adam_atan2(seq, b1, b2, a, b), strict=True):
         np.testing.assert_allclose(np.asarray(u), w, rtol=1e-5, atol=1e-6)
-    assert int(state.atan2_count) == len(seq)
+    assert int(state.count) == len(seq)
 
 
 def test_adam_atan2_first_step_is_a_times_pi_over_4():
@@ -232,6 +233,30 @@ def test_safe_aliases_with_eps_equal_optax(ours, ref):
         chex.assert_trees_all_close(p, r, rtol=1e-6, atol=1e-7)
 
 
+@pytest.mark.parametrize(
+    "ours",
+    [
+        lambda: adam.safe_adamw(0.05, eps=1e-8),
+        lambda: skip_nonfinite(adam.adamw_atan2(0.05)),
+    ],
+    ids=["safe_adamw", "guarded_adamw_atan2"],
+)
+def test_state_has_optax_field_names(ours):
+    # optax's tree_get and tooling that reads Adam's moments find count, mu and nu; the
+    # moments are optax's own (its ScaleByAdamState after the same float32 gradients).
+    params = _small_params()
+    opt, ref = ours(), optax.scale_by_adam(eps=1e-8)
+    state, ref_state = opt.init(params), ref.init(params)
+    update, ref_update = _jit_update(opt), _jit_update(ref)
+    for seed in range(3):
+        g = _grads_like(params, seed=seed)
+        _, state = update(g, state, params)
+        _, ref_state = ref_update(g, ref_state, params)
+    assert int(optax.tree_utils.tree_get(state, "count")) == 3
+    chex.assert_trees_all_equal(optax.tree_utils.tree_get(state, "mu"), ref_state.mu)
+    chex.assert_trees_all_equal(optax.tree_utils.tree_get(state, "nu"), ref_state.nu)
+
+
 def test_adamw_atan2_decay_is_lr_scaled_and_not_multiplied_by_a():
     params = {"w": jnp.array([2.0, -4.0, 1.0])}
     grads = {"w": jnp.array([0.5, 0.5, 0.0])}
@@ -310,7 +335,7 @@ def test_tiny_eps_in_low_precision_gives_finite_nonzero_updates(dtype):
         chex.assert_tree_all_finite(u)
         assert np.all(np.asarray(u, np.float32) != 0)
         np.testing.assert_allclose(np.asarray(u, np.float32), w, rtol=2e-2, atol=2e-2)
-    assert state.safe_adam_nu.dtype == jnp.float32
+    assert state.nu.dtype == jnp.float32
     if dtype == jnp.float16:  # and the reference failure: optax's nu underflows to Inf updates
         ref, _ = _run(optax.scale_by_adam(eps=1e-15), seq)
         assert not np.all(np.isfinite(np.asarray(ref[0], np.float32)))
@@ -357,7 +382,7 @@ def test_adam_atan2_is_invariant_to_gradient_scale(scale):
     for u, r in zip(got, base, strict=True):
         chex.assert_trees_all_close(u, r, rtol=1e-5, atol=1e-6)
     # g * 1e-8 squares to ~1e-16 g^2: still a normal float32, nothing flushed to 0
-    nu = np.concatenate([np.ravel(x) for x in _leaves(state.atan2_nu)])
+    nu = np.concatenate([np.ravel(x) for x in _leaves(state.nu)])
     assert np.all(nu >= np.finfo(np.float32).tiny) and np.all(np.isfinite(nu))
     # whereas Adam with eps = 1e-8 is not invariant at this scale
     if scale == 1e-8:

@@ -31,17 +31,17 @@ __all__ = [
 class ScaleBySafeAdamState(NamedTuple):
     """State of :func:`scale_by_safe_adam`."""
 
-    safe_adam_count: jax.Array  # shape=(), int32
-    safe_adam_mu: optax.Updates  # like params, dtype mu_dtype or the param dtype
-    safe_adam_nu: optax.Updates  # like params, float32 (float64 for float64 params)
+    count: jax.Array  # shape=(), int32
+    mu: optax.Updates  # like params, dtype mu_dtype or the param dtype
+    nu: optax.Updates  # like params, float32 (float64 for float64 params)
 
 
 class ScaleByAdamAtan2State(NamedTuple):
     """State of :func:`scale_by_adam_atan2`."""
 
-    atan2_count: jax.Array  # shape=(), int32
-    atan2_mu: optax.Updates  # like params, dtype mu_dtype or the param dtype
-    atan2_nu: optax.Updates  # like params, float32 (float64 for float64 params)
+    count: jax.Array  # shape=(), int32
+    mu: optax.Updates  # like params, dtype mu_dtype or the param dtype
+    nu: optax.Updates  # like params, float32 (float64 for float64 params)
 
 
 # ----------------------------------------------------------------------------- validation
@@ -266,15 +266,13 @@ def scale_by_safe_adam(
 
     def init_fn(params):
         mu, nu = _init_moments(params, mu_dtype)
-        return ScaleBySafeAdamState(
-            safe_adam_count=jnp.zeros([], jnp.int32), safe_adam_mu=mu, safe_adam_nu=nu
-        )
+        return ScaleBySafeAdamState(count=jnp.zeros([], jnp.int32), mu=mu, nu=nu)
 
     def update_fn(updates, state, params=None):
         del params
-        count_inc = optax.safe_increment(state.safe_adam_count)
+        count_inc = optax.safe_increment(state.count)
         mu, nu, m_hat, v_hat = _update_moments(
-            updates, state.safe_adam_mu, state.safe_adam_nu, count_inc, b1, b2, nesterov
+            updates, state.mu, state.nu, count_inc, b1, b2, nesterov
         )
 
         def ratio(g, m, v):
@@ -288,9 +286,9 @@ def scale_by_safe_adam(
 
         new_updates = jax.tree.map(ratio, updates, m_hat, v_hat, is_leaf=_is_none)
         return new_updates, ScaleBySafeAdamState(
-            safe_adam_count=count_inc,
-            safe_adam_mu=_store(mu, state.safe_adam_mu),
-            safe_adam_nu=_store(nu, state.safe_adam_nu),
+            count=count_inc,
+            mu=_store(mu, state.mu),
+            nu=_store(nu, state.nu),
         )
 
     return optax.GradientTransformation(init_fn, update_fn)
@@ -496,13 +494,13 @@ def scale_by_adam_atan2(
 
     def init_fn(params):
         mu, nu = _init_moments(params, mu_dtype)
-        return ScaleByAdamAtan2State(atan2_count=jnp.zeros([], jnp.int32), atan2_mu=mu, atan2_nu=nu)
+        return ScaleByAdamAtan2State(count=jnp.zeros([], jnp.int32), mu=mu, nu=nu)
 
     def update_fn(updates, state, params=None):
         del params
-        count_inc = optax.safe_increment(state.atan2_count)
+        count_inc = optax.safe_increment(state.count)
         mu, nu, m_hat, v_hat = _update_moments(
-            updates, state.atan2_mu, state.atan2_nu, count_inc, b1, b2, nesterov=False
+            updates, state.mu, state.nu, count_inc, b1, b2, nesterov=False
         )
 
         def atan2(g, m, v):
@@ -515,9 +513,9 @@ def scale_by_adam_atan2(
 
         new_updates = jax.tree.map(atan2, updates, m_hat, v_hat, is_leaf=_is_none)
         return new_updates, ScaleByAdamAtan2State(
-            atan2_count=count_inc,
-            atan2_mu=_store(mu, state.atan2_mu),
-            atan2_nu=_store(nu, state.atan2_nu),
+            count=count_inc,
+            mu=_store(mu, state.mu),
+            nu=_store(nu, state.nu),
         )
 
     return optax.GradientTransformation(init_fn, update_fn)
