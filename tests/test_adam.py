@@ -404,10 +404,11 @@ def test_dtypes_are_kept(name, dtype):
     got, state = _run(tx, seq, params)
     for u in got:
         assert jax.tree.map(lambda x: x.dtype, u) == jax.tree.map(lambda x: x.dtype, params)
-    # mu in the param dtype; nu in float32 for every low-precision leaf
+    # mu in the param dtype but float32 for float16; nu in float32 for every low-precision leaf
     chex.assert_trees_all_equal_dtypes(state, state0)
     mu, nu = state[1], state[2]
-    assert {x.dtype for x in _leaves(mu)} == {jnp.dtype(dtype)}
+    mu_dtype = jnp.float32 if dtype == jnp.float16 else dtype
+    assert {x.dtype for x in _leaves(mu)} == {jnp.dtype(mu_dtype)}
     assert {x.dtype for x in _leaves(nu)} == {jnp.dtype(jnp.float32)}
     # low-precision updates agree with the float32 computation on the same inputs
     seq32 = [jax.tree.map(lambda g: g.astype(jnp.float32), s) for s in seq]
@@ -563,7 +564,69 @@ BAD = [
     (adam.scale_by_adam_atan2, {"b2": jnp.asarray(1.0)}, "b2", "[0, 1)"),
     (lambda **k: adam.adamw_atan2(0.1, **k), {"weight_decay": -0.1}, "weight_decay", ">= 0"),
     (lambda **k: adam.adamw_atan2(0.1, **k), {"b": -1.0}, "b", "> 0"),
+    (lambda **k: adam.safe_adamw(0.1, **k), {"b1": float("nan")}, "b1", "[0, 1)"),
+    (lambda **k: adam.safe_adamw(0.1, **k), {"weight_decay": float("nan")}, "weight_decay", ">= 0"),
 ]
+LR_FACTORIES = {
+    "safe_adam": adam.safe_adam,
+    "safe_adamw": adam.safe_adamw,
+    "adamw_atan2": adam.adamw_atan2,
+}
+
+
+@pytest.mark.parametrize("lr", [-1e-3, float("nan"), float("inf"), jnp.asarray(-0.1)])
+@pytest.mark.parametrize("name", sorted(LR_FACTORIES))
+def test_negative_or_nonfinite_learning_rate_raises(name, lr):
+    with pytest.raises(ValueError) as err:
+        LR_FACTORIES[name](lr)
+    msg = str(err.value)
+    assert msg.startswith(f"{name}: `learning_rate` must be") and "negate the loss" in msg
+
+
+@pytest.mark.parametrize("name", sorted(LR_FACTORIES))
+def test_zero_learning_rate_and_schedules_are_accepted(name):
+    LR_FACTORIES[name](0.0)
+    LR_FACTORIES[name](optax.linear_schedule(-1.0, 1.0, 10))  # a schedule is not evaluated
+
+
+@pytest.mark.parametrize("int_params", [True, False])
+def test_integer_gradients_give_a_float_update_like_optax(int_params):
+    # optax.adamw promotes integer gradients to float32; safe_adamw used to cast its Adam
+    # update back to int32, which made it 0. Reference: float64 numpy Adam.
+    p = jnp.array([1, 2, 3, 4], jnp.int32)
+    params = p if int_params else p.astype(jnp.float32)
+    seq = [np.array([1, -2, 0, 3]), np.array([2, -1, 0, 3]), np.array([0, 4, 0, -3])]
+    lr, wd = 0.1, 0.0
+    opt = adam.safe_adamw(lr, weight_decay=wd)
+    got, state = _run(opt, [jnp.asarray(g, jnp.int32) for g in seq], params)
+    want = [-lr * u for u in _np_safe_adam([g.astype(np.float64) for g in seq])]
+    for u, w in zip(got, want, strict=True):
+        assert u.dtype == jnp.float32
+        np.testing.assert_allclose(np.asarray(u), w, rtol=1e-5, atol=1e-7)
+    assert {x.dtype for x in _leaves((state[0].mu, state[0].nu))} == {jnp.dtype(jnp.float32)}
+    # optax.adamw (eps = 1e-8) agrees to float32 rounding; with integer params only on the
+    # first step, since optax then stores its second moment as int32 and truncates it.
+    ref_got, _ = _run(
+        optax.adamw(lr, weight_decay=wd), [jnp.asarray(g, jnp.int32) for g in seq], params
+    )
+    for u, r in list(zip(got, ref_got, strict=True))[: 1 if int_params else None]:
+        np.testing.assert_allclose(np.asarray(u), np.asarray(r), rtol=1e-6, atol=1e-8)
+
+
+@pytest.mark.parametrize("name", sorted(TRANSFORMS))
+def test_wrong_shaped_gradient_raises_naming_the_leaf(name):
+    # A (1, 4) gradient for a (3, 4) parameter broadcasts, and would silently make the
+    # moments (3, 4) again by accident, or (n, 4) -> a changed state shape. It is rejected.
+    params = {"w": jnp.zeros((3, 4)), "b": jnp.zeros(4)}
+    tx = TRANSFORMS[name]
+    state = tx.init(params)
+    grads = {"w": jnp.ones((1, 4)), "b": jnp.ones(4)}
+    with pytest.raises(ValueError) as err:
+        jax.jit(tx.update)(grads, state, params)
+    msg = str(err.value)
+    assert "['w']" in msg and "(1, 4)" in msg and "(3, 4)" in msg, msg
+    with pytest.raises(ValueError, match=r"\(4,\).*\(\)"):
+        jax.jit(tx.update)(jnp.ones(4), tx.init(jnp.zeros(())))
 
 
 @pytest.mark.parametrize("factory,kwargs,name,allowed", BAD)

@@ -1,9 +1,15 @@
 """Adam variants that never divide 0 by 0: safe Adam (eps = 0 allowed) and Adam-atan2.
 
-Both keep the second moment in float32 (or wider) whatever the leaf dtype and form
-the update ratio in float32, so float16 and bfloat16 leaves neither underflow ``nu``
-nor flush a tiny ``eps`` to zero. Updates are cast back to the dtype of the incoming
-gradients.
+Both keep the second moment in float32 (or wider) whatever the leaf dtype, the first
+moment in float32 for float16 (and integer) leaves, and form the update ratio in
+float32, so float16 and bfloat16 leaves neither underflow a moment nor flush a tiny
+``eps`` to zero. Updates are cast back to the dtype of the incoming gradients; integer
+gradients get float32 updates, as with :func:`optax.adam`.
+
+Inputs are checked: hyperparameters when the transform is built (a negative or NaN
+learning rate, a decay outside [0, 1), ...), and gradients when it is traced (a
+gradient whose shape differs from its parameter's raises instead of broadcasting into
+the moments).
 """
 
 from __future__ import annotations
@@ -16,6 +22,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+
+from stabljax.optim._base import validate
 
 __all__ = [
     "ScaleByAdamAtan2State",
@@ -47,48 +55,76 @@ class ScaleByAdamAtan2State(NamedTuple):
 # ----------------------------------------------------------------------------- validation
 
 
-def _concrete(value: Any) -> np.ndarray | None:
-    """The value as a numpy array, or None when it is a tracer or a schedule.
-
-    ``optax.inject_hyperparams`` rebuilds the transform inside the jitted update with
-    traced hyperparameters; those were validated when the transform was first built.
-    """
-    if value is None or callable(value):
-        return None
-    try:
-        return np.asarray(value)
-    except (jax.errors.TracerArrayConversionError, jax.errors.ConcretizationTypeError):
-        return None
+def _check_decay(owner: str, name: str, value: Any) -> None:
+    validate(owner, name, value, lambda x: (x >= 0) & (x < 1), "in [0, 1)")
 
 
-def _check(name: str, value: Any, ok: Callable[[np.ndarray], np.ndarray], allowed: str) -> None:
-    arr = _concrete(value)
-    if arr is not None and not np.all(ok(arr)):
-        raise ValueError(f"`{name}` must be {allowed}, got {value!r}.")
+def _check_nonnegative(owner: str, name: str, value: Any) -> None:
+    validate(owner, name, value, lambda x: x >= 0, ">= 0")
 
 
-def _check_decay(name: str, value: Any) -> None:
-    _check(name, value, lambda x: (x >= 0) & (x < 1), "in [0, 1)")
+def _check_positive(owner: str, name: str, value: Any) -> None:
+    validate(owner, name, value, lambda x: x > 0, "> 0")
 
 
-def _check_nonnegative(name: str, value: Any) -> None:
-    _check(name, value, lambda x: x >= 0, ">= 0")
+def _check_adam(owner: str, b1: Any, b2: Any, eps: Any, eps_root: Any) -> None:
+    _check_decay(owner, "b1", b1)
+    _check_decay(owner, "b2", b2)
+    _check_nonnegative(owner, "eps", eps)
+    _check_nonnegative(owner, "eps_root", eps_root)
 
 
-def _check_positive(name: str, value: Any) -> None:
-    _check(name, value, lambda x: x > 0, "> 0")
+def _check_atan2(owner: str, b1: Any, b2: Any, a: Any, b: Any) -> None:
+    _check_decay(owner, "b1", b1)
+    _check_decay(owner, "b2", b2)
+    _check_positive(owner, "a", a)
+    _check_positive(owner, "b", b)
+
+
+def _check_learning_rate(owner: str, value: Any) -> None:
+    # A negative (or NaN) rate would silently ascend; a schedule is the schedule's business.
+    validate(
+        owner,
+        "learning_rate",
+        value,
+        lambda x: np.isfinite(x) & (x >= 0),
+        "a finite number >= 0 or a schedule (to maximise, negate the loss)",
+    )
 
 
 # ----------------------------------------------------------------------------- moments
 
 
 def _compute_dtype(dtype) -> jnp.dtype:
-    # float16/bfloat16 -> float32; float32, float64 and complex kept.
+    # float16/bfloat16 -> float32; float32, float64 and complex kept; integer (and bool)
+    # gradients -> float32, as in optax (whose moments promote them to float).
+    if not jnp.issubdtype(dtype, jnp.inexact):
+        return jnp.dtype(jnp.float32)
     return jnp.promote_types(dtype, jnp.float32)
 
 
 def _nu_dtype(dtype) -> jnp.dtype:
     return jnp.finfo(_compute_dtype(dtype)).dtype  # real part of the compute dtype
+
+
+def _mu_dtype(dtype, mu_dtype) -> jnp.dtype:
+    """The first moment's dtype: ``mu_dtype`` if given, else the param dtype, widened.
+
+    A float16 first moment underflows as the second would ((1 - b1) g flushes to 0 for
+    |g| below about 6e-7 with b1 = 0.9), and an integer one truncates to 0, so both are
+    kept in float32. bfloat16 has float32's exponent range and stays bfloat16, as optax
+    keeps it.
+    """
+    if mu_dtype is not None:
+        return mu_dtype
+    if dtype == jnp.float16 or not jnp.issubdtype(dtype, jnp.inexact):
+        return _compute_dtype(dtype)
+    return jnp.dtype(dtype)
+
+
+def _update_dtype(g_dtype) -> jnp.dtype:
+    # Updates keep the gradient dtype; integer gradients get a float update, as optax's.
+    return g_dtype if jnp.issubdtype(g_dtype, jnp.inexact) else _compute_dtype(g_dtype)
 
 
 def _abs_sq(x: jax.Array) -> jax.Array:
@@ -98,13 +134,32 @@ def _abs_sq(x: jax.Array) -> jax.Array:
 
 
 def _init_moments(params, mu_dtype):
-    mu = optax.tree.zeros_like(params, dtype=mu_dtype)
+    mu = jax.tree.map(
+        lambda p: jnp.zeros_like(p, dtype=_mu_dtype(jnp.result_type(p), mu_dtype)), params
+    )
     nu = jax.tree.map(lambda p: jnp.zeros_like(p, dtype=_nu_dtype(jnp.result_type(p))), params)
     return mu, nu
 
 
 def _is_none(x) -> bool:
     return x is None
+
+
+def _check_shapes(owner: str, updates, nu) -> None:
+    """Gradients must have their parameter's shape: broadcasting would reshape the moments."""
+    g_leaves = jax.tree_util.tree_flatten_with_path(updates, is_leaf=_is_none)[0]
+    v_leaves = jax.tree.leaves(nu, is_leaf=_is_none)
+    if len(g_leaves) != len(v_leaves):
+        return  # a structure mismatch: jax.tree.map raises its own error below
+    for (path, g), v in zip(g_leaves, v_leaves, strict=True):
+        if g is None or v is None:
+            continue
+        if jnp.shape(g) != jnp.shape(v):
+            raise ValueError(
+                f"{owner}: the gradient at {jax.tree_util.keystr(path) or 'the root'} has "
+                f"shape {jnp.shape(g)}, but the optimizer state (initialised from the params) "
+                f"has shape {jnp.shape(v)}; pass gradients shaped like the params."
+            )
 
 
 @functools.partial(jax.jit, inline=True)
@@ -124,7 +179,7 @@ def _update_moments(updates, mu, nu, count_inc, b1, b2, nesterov: bool):
     def new_mu(g, m):
         if g is None:
             return None
-        dt = _compute_dtype(g.dtype)
+        dt = jnp.promote_types(_compute_dtype(g.dtype), m.dtype)
         return (1 - b1) * g.astype(dt) + b1 * m.astype(dt)
 
     def new_nu(g, v):
@@ -258,10 +313,7 @@ def scale_by_safe_adam(
       Dozat, `Incorporating Nesterov Momentum into Adam
       <https://openreview.net/pdf?id=OM0jvwB8jIp57ZJjtNEZ>`_, 2016
     """
-    _check_decay("b1", b1)
-    _check_decay("b2", b2)
-    _check_nonnegative("eps", eps)
-    _check_nonnegative("eps_root", eps_root)
+    _check_adam("scale_by_safe_adam", b1, b2, eps, eps_root)
     mu_dtype = None if mu_dtype is None else jax.dtypes.canonicalize_dtype(mu_dtype)
 
     def init_fn(params):
@@ -270,6 +322,7 @@ def scale_by_safe_adam(
 
     def update_fn(updates, state, params=None):
         del params
+        _check_shapes("scale_by_safe_adam", updates, state.nu)
         count_inc = optax.safe_increment(state.count)
         mu, nu, m_hat, v_hat = _update_moments(
             updates, state.mu, state.nu, count_inc, b1, b2, nesterov
@@ -282,7 +335,7 @@ def scale_by_safe_adam(
             zero = d == 0  # NaN compares unequal: a NaN denominator still gives NaN
             safe_d = jnp.where(zero, jnp.ones_like(d), d)
             u = jnp.where(zero, jnp.zeros_like(m), m / safe_d)
-            return _nan_where_nonfinite(u, v).astype(g.dtype)
+            return _nan_where_nonfinite(u, v).astype(_update_dtype(g.dtype))
 
         new_updates = jax.tree.map(ratio, updates, m_hat, v_hat, is_leaf=_is_none)
         return new_updates, ScaleBySafeAdamState(
@@ -348,6 +401,8 @@ def safe_adam(
       Molybog et al., `A Theory on Adam Instability in Large-Scale Machine Learning
       <https://arxiv.org/abs/2304.09871>`_, 2023
     """
+    _check_learning_rate("safe_adam", learning_rate)
+    _check_adam("safe_adam", b1, b2, eps, eps_root)
     return optax.chain(
         scale_by_safe_adam(
             b1=b1, b2=b2, eps=eps, eps_root=eps_root, mu_dtype=mu_dtype, nesterov=nesterov
@@ -412,7 +467,9 @@ def safe_adamw(
       Molybog et al., `A Theory on Adam Instability in Large-Scale Machine Learning
       <https://arxiv.org/abs/2304.09871>`_, 2023
     """
-    _check_nonnegative("weight_decay", weight_decay)
+    _check_learning_rate("safe_adamw", learning_rate)
+    _check_adam("safe_adamw", b1, b2, eps, eps_root)
+    _check_nonnegative("safe_adamw", "weight_decay", weight_decay)
     return optax.chain(
         scale_by_safe_adam(
             b1=b1, b2=b2, eps=eps, eps_root=eps_root, mu_dtype=mu_dtype, nesterov=nesterov
@@ -486,10 +543,7 @@ def scale_by_adam_atan2(
       Kingma et al., `Adam: A Method for Stochastic Optimization
       <https://arxiv.org/abs/1412.6980>`_, 2014
     """
-    _check_decay("b1", b1)
-    _check_decay("b2", b2)
-    _check_positive("a", a)
-    _check_positive("b", b)
+    _check_atan2("scale_by_adam_atan2", b1, b2, a, b)
     mu_dtype = None if mu_dtype is None else jax.dtypes.canonicalize_dtype(mu_dtype)
 
     def init_fn(params):
@@ -498,6 +552,7 @@ def scale_by_adam_atan2(
 
     def update_fn(updates, state, params=None):
         del params
+        _check_shapes("scale_by_adam_atan2", updates, state.nu)
         count_inc = optax.safe_increment(state.count)
         mu, nu, m_hat, v_hat = _update_moments(
             updates, state.mu, state.nu, count_inc, b1, b2, nesterov=False
@@ -509,7 +564,7 @@ def scale_by_adam_atan2(
             if jnp.iscomplexobj(m):
                 raise TypeError(f"scale_by_adam_atan2 needs real gradients, got {g.dtype}.")
             u = a * jnp.arctan2(m, b * jnp.sqrt(v))
-            return _nan_where_nonfinite(u, v).astype(g.dtype)
+            return _nan_where_nonfinite(u, v).astype(_update_dtype(g.dtype))
 
         new_updates = jax.tree.map(atan2, updates, m_hat, v_hat, is_leaf=_is_none)
         return new_updates, ScaleByAdamAtan2State(
@@ -582,7 +637,9 @@ def adamw_atan2(
       Loshchilov et al., `Decoupled Weight Decay Regularization
       <https://arxiv.org/abs/1711.05101>`_, 2019
     """
-    _check_nonnegative("weight_decay", weight_decay)
+    _check_learning_rate("adamw_atan2", learning_rate)
+    _check_atan2("adamw_atan2", b1, b2, a, b)
+    _check_nonnegative("adamw_atan2", "weight_decay", weight_decay)
     return optax.chain(
         scale_by_adam_atan2(b1=b1, b2=b2, a=a, b=b, mu_dtype=mu_dtype),
         optax.add_decayed_weights(weight_decay, mask),
