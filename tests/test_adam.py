@@ -682,3 +682,91 @@ def test_converges_like_optax_adam(make, problem):
     initial, loss, final = problem()
     params = run_optimizer(make(), initial, loss, steps=10_000)
     chex.assert_trees_all_close(params, final, rtol=3e-2, atol=3e-2)
+
+
+# ----------------------------------------------------------------------------- boundedness
+
+
+def _bound_sequences(b1, b2, steps):
+    """Columns: the Cauchy-Schwarz-tight sequence, a spike then silence, heavy tails, signs."""
+    rng = np.random.default_rng(7)
+    k = np.arange(1, steps + 1, dtype=np.float64)
+    tight = (b2 / b1) ** k if b1 > 0 else (k == steps).astype(np.float64)
+    spike = np.where(k == 3, 1e3, np.where(k < 3, 1.0, 0.0))
+    heavy = rng.standard_cauchy(steps)
+    flips = (-1.0) ** k * 10.0 ** rng.uniform(-3, 3, steps)
+    return np.stack([tight, spike, heavy, flips], axis=1).astype(np.float32)
+
+
+@pytest.mark.parametrize("nesterov", [False, True])
+@pytest.mark.parametrize("b1,b2", [(0.9, 0.999), (0.9, 0.95), (0.5, 0.3), (0.95, 0.91), (0.0, 0.5)])
+def test_safe_adam_at_eps_zero_is_bounded_by_ratio_bound(b1, b2, nesterov):
+    steps = 60
+    cols = _bound_sequences(b1, b2, steps)
+    seq = list(cols)
+    tx = adam.scale_by_safe_adam(b1=b1, b2=b2, nesterov=nesterov)
+    got, _ = _run(tx, [jnp.asarray(g) for g in seq])
+    want = _np_safe_adam(seq, b1, b2, nesterov=nesterov)  # float64
+    for t, (u, w) in enumerate(zip(got, want, strict=True), start=1):
+        bound = adam.ratio_bound(b1, b2, t, nesterov=nesterov)
+        np.testing.assert_allclose(np.asarray(u), w, rtol=2e-4, atol=1e-6)
+        assert np.max(np.abs(w)) <= bound * (1 + 1e-9), (t, w, bound)
+        assert np.max(np.abs(np.asarray(u))) <= bound * (1 + 1e-5), (t, u, bound)
+        assert bound <= adam.ratio_bound(b1, b2, nesterov=nesterov) * (1 + 1e-12)
+    if not nesterov:  # the bound is attained, so it is the least one
+        assert abs(want[-1][0]) >= (1 - 1e-9) * adam.ratio_bound(b1, b2, steps)
+        assert abs(float(got[-1][0])) >= (1 - 1e-4) * adam.ratio_bound(b1, b2, steps)
+
+
+def test_ratio_bound_by_hand():
+    # t = 1: m_hat = g, v_hat = g^2, so |u| = 1; the limit (1-b1)/sqrt((1-b2)(1-b1^2/b2)).
+    assert adam.ratio_bound(0.9, 0.95, 1) == pytest.approx(1.0, rel=1e-12)
+    assert adam.ratio_bound(0.9, 0.95) == pytest.approx(0.1 / np.sqrt(0.05 * (1 - 0.81 / 0.95)))
+    assert adam.ratio_bound(0.99, 0.95) == np.inf
+    assert adam.ratio_bound(0.99, 0.95, 2000) > 1e9  # finite for each t, growing
+
+
+def _np_stop_after(b1, b2, on=100, steps=1600):
+    return _np_safe_adam([np.ones(1)] * on + [np.zeros(1)] * (steps - on), b1, b2)
+
+
+@pytest.mark.parametrize(
+    "factory",
+    [
+        adam.scale_by_safe_adam,
+        lambda **k: adam.safe_adam(1e-3, **k),
+        lambda **k: adam.safe_adamw(1e-3, **k),
+    ],
+    ids=["scale_by_safe_adam", "safe_adam", "safe_adamw"],
+)
+@pytest.mark.parametrize("b1,b2", [(0.99, 0.95), (0.9, 0.81), (0.5, 0.0)])
+def test_eps_zero_with_b1_squared_at_least_b2_is_rejected(factory, b1, b2):
+    with pytest.raises(ValueError) as err:
+        factory(b1=b1, b2=b2)
+    msg = str(err.value)
+    assert "`b2` must be > b1**2" in msg and "no bound" in msg and "eps > 0" in msg, msg
+    factory(b1=b1, b2=b2, eps=1e-8)  # a positive eps bounds the denominator
+    factory(b1=b1, b2=b2, eps_root=1e-16)
+
+
+def test_the_rejected_case_really_diverges_in_float64():
+    # Why the rule: b = (0.99, 0.95) at eps = 0 passes 1e9 after the gradient stops,
+    # while b = (0.9, 0.95) stays under its bound.
+    assert max(abs(u[0]) for u in _np_stop_after(0.99, 0.95)) > 1e9
+    assert max(abs(u[0]) for u in _np_stop_after(0.9, 0.95)) <= adam.ratio_bound(0.9, 0.95)
+
+
+@pytest.mark.parametrize(
+    "name,want", [("safe_adam", 1.0), ("adam_atan2", 1.27 * np.pi / 4)], ids=str
+)
+def test_float16_constant_tiny_gradient_gives_the_full_update(name, want):
+    # A constant gradient g gives m_hat / sqrt(v_hat) = 1 (atan2: a * pi/4) at any scale.
+    # With a float16 first moment, (1 - b1) * 1e-7 flushes to 0 and the update was 0.11.
+    g = jnp.full((3,), 1e-7, jnp.float16)
+    got, state = _run(TRANSFORMS[name], [g] * 10)
+    assert {x.dtype for x in _leaves((state.mu, state.nu))} == {jnp.dtype(jnp.float32)}
+    assert got[-1].dtype == jnp.float16
+    np.testing.assert_allclose(np.asarray(got[-1], np.float32), want, rtol=1e-3)
+    factory = {"safe_adam": adam.scale_by_safe_adam, "adam_atan2": adam.scale_by_adam_atan2}
+    old, _ = _run(factory[name](mu_dtype=jnp.float16), [g] * 10)  # the failure it fixes
+    assert np.all(np.asarray(old[-1], np.float32) < 0.5 * want)

@@ -29,6 +29,7 @@ __all__ = [
     "ScaleByAdamAtan2State",
     "ScaleBySafeAdamState",
     "adamw_atan2",
+    "ratio_bound",
     "safe_adam",
     "safe_adamw",
     "scale_by_adam_atan2",
@@ -72,6 +73,95 @@ def _check_adam(owner: str, b1: Any, b2: Any, eps: Any, eps_root: Any) -> None:
     _check_decay(owner, "b2", b2)
     _check_nonnegative(owner, "eps", eps)
     _check_nonnegative(owner, "eps_root", eps_root)
+    values = [_concrete_float(x) for x in (b1, b2, eps, eps_root)]
+    if any(v is None for v in values):
+        return  # traced (inject_hyperparams): checked when first built
+    fb1, fb2, feps, feps_root = values
+    if feps == 0 and feps_root == 0 and fb1 > 0 and fb1 * fb1 >= fb2:
+        raise ValueError(
+            f"{owner}: `b2` must be > b1**2 = {fb1 * fb1:.6g} when eps = eps_root = 0; got "
+            f"{b2!r}. With b1**2 >= b2 the update m_hat / sqrt(v_hat) has no bound: after "
+            f"a gradient stops it grows like (b1 / sqrt(b2))**t. Raise b2 (e.g. 0.999), "
+            "lower b1, or set eps > 0."
+        )
+
+
+def _concrete_float(value: Any) -> float | None:
+    if callable(value):
+        return None
+    try:
+        return float(np.asarray(value))
+    except (TypeError, ValueError, jax.errors.ConcretizationTypeError):
+        return None
+    except jax.errors.TracerArrayConversionError:
+        return None
+
+
+def ratio_bound(b1: float, b2: float, t: int | None = None, *, nesterov: bool = False) -> float:
+    r"""The largest :math:`|\hat m_t / \sqrt{\hat v_t}|` safe Adam can produce, any gradients.
+
+    By Cauchy–Schwarz, with :math:`r = \beta_1^2 / \beta_2`,
+
+    .. math::
+
+      |m_t| \le (1-\beta_1) \sum_{j<t} \beta_1^j |g_{t-j}|
+            \le (1-\beta_1) \Big(\sum_{j<t} r^j\Big)^{1/2}
+                 \Big(\sum_{j<t} \beta_2^j g_{t-j}^2\Big)^{1/2}
+            = (1-\beta_1) \sqrt{\tfrac{1 - r^t}{1 - r}} \sqrt{\tfrac{v_t}{1-\beta_2}},
+
+    so, after the bias corrections,
+
+    .. math::
+
+      \Big|\frac{\hat m_t}{\sqrt{\hat v_t}}\Big| \le B_t =
+      \frac{1-\beta_1}{1-\beta_1^t} \sqrt{\frac{1-\beta_2^t}{1-\beta_2}}
+      \sqrt{\frac{1-r^t}{1-r}}
+      \;\xrightarrow{t\to\infty}\; \frac{1-\beta_1}{\sqrt{(1-\beta_2)(1-r)}}
+      \quad (r < 1).
+
+    The bound is attained (equality in Cauchy–Schwarz) by gradients growing as
+    :math:`|g_k| \propto (\beta_2/\beta_1)^k`. For :math:`r < 1` it is uniform in
+    :math:`t`, so safe Adam at ``eps = 0`` is bounded whatever the gradients; for
+    :math:`r \ge 1` (and :math:`\beta_1 > 0`) it grows without limit, which is why
+    :func:`scale_by_safe_adam` rejects :math:`\beta_1^2 \ge \beta_2` at ``eps =
+    eps_root = 0``. ``eps > 0`` only lowers the ratio. With ``nesterov=True``,
+    :math:`\hat m_t = \beta_1 m_t/(1-\beta_1^{t+1}) + (1-\beta_1) g_t/(1-\beta_1^t)`
+    and :math:`|g_t| \le \sqrt{v_t/(1-\beta_2)}` give the sum of the two terms' bounds
+    at step :math:`t`, and :math:`\beta_1 B_\infty + 1/\sqrt{1-\beta_2}` over all steps
+    (a valid bound, not attained). Every :math:`B_t \le B_\infty` (AM–GM).
+
+    Args:
+      b1: :math:`\beta_1`, in [0, 1).
+      b2: :math:`\beta_2`, in [0, 1), with :math:`\beta_1^2 < \beta_2` if ``t`` is None.
+      t: the step (from 1); None for the limit :math:`t \to \infty`.
+      nesterov: the bound of the Nesterov (NAdam) update.
+
+    Returns:
+      :math:`B_t` (a float; ``inf`` for ``t=None`` when :math:`r \ge 1`).
+
+    Example:
+      >>> from stabljax.optim.adam import ratio_bound
+      >>> ratio_bound(0.9, 0.999, t=1), round(ratio_bound(0.9, 0.999), 3)
+      (1.0, 7.27)
+      >>> round(ratio_bound(0.9, 0.95), 3), ratio_bound(0.99, 0.95)
+      (1.165, inf)
+    """
+    r = 0.0 if b1 == 0 else b1 * b1 / b2
+    if t is None:
+        if r >= 1:
+            return float("inf")
+        # B_t <= B_inf for every t: B_t^2 / B_inf^2 = (1 - x)(1 - y) / (1 - sqrt(xy))^2 with
+        # x = b2^t, y = r^t, and (1 - x)(1 - y) <= (1 - sqrt(xy))^2 is AM-GM.
+        limit = (1.0 - b1) / np.sqrt((1.0 - b2) * (1.0 - r))
+        if nesterov:  # each term's sup: b1 B_inf (m_t <= (1 - b1^t) B_inf), 1/sqrt(1 - b2)
+            return float(b1 * limit + 1.0 / np.sqrt(1.0 - b2))
+        return float(limit)
+    s = float(t) if r == 1 else (1.0 - r**t) / (1.0 - r)
+    g_bound = np.sqrt((1.0 - b2**t) / (1.0 - b2))  # |g_t| / sqrt(v_hat_t)
+    m_bound = (1.0 - b1) * np.sqrt(s) * g_bound  # |m_t| / sqrt(v_hat_t)
+    if nesterov:
+        return float(b1 * m_bound / (1.0 - b1 ** (t + 1)) + (1.0 - b1) * g_bound / (1.0 - b1**t))
+    return float(m_bound / (1.0 - b1**t))
 
 
 def _check_atan2(owner: str, b1: Any, b2: Any, a: Any, b: Any) -> None:
@@ -269,18 +359,31 @@ def scale_by_safe_adam(
     :math:`(1-\beta_2) g^2` underflows for :math:`|g| \lesssim 10^{-3}`, and the coordinate
     would silently stop moving), and the ratio is formed in float32 and then cast back to
     the gradient dtype, so an ``eps`` such as 1e-15 keeps its value for every leaf dtype.
-    :math:`m_t` is stored in ``mu_dtype`` (default: the param dtype). With ``eps > 0`` and
+    :math:`m_t` is stored in ``mu_dtype``; by default in the param dtype, except float16
+    (and integer) leaves, where it is float32 too: a float16 :math:`(1-\beta_1) g` flushes
+    to 0 for :math:`|g| \lesssim 6 \cdot 10^{-7}`, and a constant gradient of 1e-7 would
+    give an update of 0.11 instead of 1. With ``eps > 0`` and
     float32 leaves the updates equal :func:`optax.scale_by_adam`'s. A gradient so small
     that :math:`(1-\beta_2) g^2` flushes to 0 in float32 (:math:`|g| \lesssim 3 \cdot
     10^{-18}` where subnormals are flushed, as on XLA:CPU) gives a zero update rather than
     optax's Inf.
+
+    Boundedness at ``eps = 0``: for :math:`\beta_1^2 < \beta_2` every coordinate of the
+    update satisfies :math:`|u_t| \le (1-\beta_1) / \sqrt{(1-\beta_2)(1-\beta_1^2/\beta_2)}`
+    whatever the gradients (proof and the per-step bound in :func:`ratio_bound`; 7.27 at
+    the defaults, 1.17 for :math:`\beta = (0.9, 0.95)`). For :math:`\beta_1^2 \ge
+    \beta_2` there is no bound: after a gradient stops, :math:`\hat m/\sqrt{\hat v}`
+    grows like :math:`(\beta_1/\sqrt{\beta_2})^t` (past 1e9 some 1,400 steps after it stops, for
+    :math:`\beta = (0.99, 0.95)`), so that combination is rejected unless ``eps`` or
+    ``eps_root`` is positive (then the denominator is at least that).
 
     Args:
       b1: Decay rate of the first moment, in [0, 1).
       b2: Decay rate of the second moment, in [0, 1).
       eps: Added to the denominator outside the square root, >= 0.
       eps_root: Added to the second moment inside the square root, >= 0.
-      mu_dtype: Dtype of the first-moment accumulator; ``None`` uses the param dtype.
+      mu_dtype: Dtype of the first-moment accumulator; ``None`` uses the param dtype
+        (float32 for float16 and integer params).
       nesterov: Whether to use Nesterov momentum (NAdam).
 
     Returns:
@@ -288,7 +391,8 @@ def scale_by_safe_adam(
       :class:`ScaleBySafeAdamState`.
 
     Raises:
-      ValueError: If a hyperparameter is outside its allowed range.
+      ValueError: If a hyperparameter is outside its allowed range, or ``eps = eps_root =
+        0`` with :math:`\beta_1 > 0` and :math:`\beta_1^2 \ge \beta_2`.
 
     Example:
       >>> import jax.numpy as jnp
@@ -370,7 +474,8 @@ def safe_adam(
       b2: Decay rate of the second moment, in [0, 1).
       eps: Added to the denominator outside the square root, >= 0.
       eps_root: Added to the second moment inside the square root, >= 0.
-      mu_dtype: Dtype of the first-moment accumulator; ``None`` uses the param dtype.
+      mu_dtype: Dtype of the first-moment accumulator; ``None`` uses the param dtype
+        (float32 for float16 and integer params).
       nesterov: Whether to use Nesterov momentum (NAdam).
 
     Returns:
@@ -437,7 +542,8 @@ def safe_adamw(
       b2: Decay rate of the second moment, in [0, 1).
       eps: Added to the denominator outside the square root, >= 0.
       eps_root: Added to the second moment inside the square root, >= 0.
-      mu_dtype: Dtype of the first-moment accumulator; ``None`` uses the param dtype.
+      mu_dtype: Dtype of the first-moment accumulator; ``None`` uses the param dtype
+        (float32 for float16 and integer params).
       weight_decay: Decoupled weight decay, >= 0, multiplied by the learning rate.
       mask: A tree of booleans like (or a prefix of) the params, or a callable returning
         one: ``True`` where weight decay applies.
@@ -518,7 +624,8 @@ def scale_by_adam_atan2(
       b2: Decay rate of the second moment, in [0, 1).
       a: Output scale, > 0; updates are bounded by :math:`a\pi/2`.
       b: Scale of :math:`\sqrt{\hat v}` inside atan2, > 0.
-      mu_dtype: Dtype of the first-moment accumulator; ``None`` uses the param dtype.
+      mu_dtype: Dtype of the first-moment accumulator; ``None`` uses the param dtype
+        (float32 for float16 and integer params).
 
     Returns:
       An :class:`optax.GradientTransformation` whose state is a
@@ -604,7 +711,8 @@ def adamw_atan2(
       b2: Decay rate of the second moment, in [0, 1).
       a: Output scale, > 0; updates before decay are bounded by :math:`a\pi/2`.
       b: Scale of :math:`\sqrt{\hat v}` inside atan2, > 0.
-      mu_dtype: Dtype of the first-moment accumulator; ``None`` uses the param dtype.
+      mu_dtype: Dtype of the first-moment accumulator; ``None`` uses the param dtype
+        (float32 for float16 and integer params).
       weight_decay: Decoupled weight decay, >= 0, multiplied by the learning rate.
       mask: A tree of booleans like (or a prefix of) the params, or a callable returning
         one: ``True`` where weight decay applies.
