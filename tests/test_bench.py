@@ -14,6 +14,7 @@ BENCHES = {
     "train_step": ("per_step", "ratios", "targets", "n_params"),
     "controller": ("steps_per_s", "ratios", "targets", "n_params"),
     "rollback": ("seconds", "checkpoint_bytes", "ratios", "targets", "n_params"),
+    "generic_step": ("per_step", "ratios", "targets", "n_params", "hlo_identical"),
 }
 RATIOS = {
     "optimizer_update": (
@@ -29,9 +30,15 @@ RATIOS = {
     "train_step": ("wall_guarded/plain", "wall_guarded+layers/plain"),
     "controller": ("steps_per_s_controlled/bare", "steps_per_s_controlled+background/bare"),
     "rollback": ("restore/read_bytes", "skip_s"),
+    "generic_step": (
+        "wall_generic/legacy",
+        "wall_generic/legacy (plain-opt)",
+        "bytes_generic/legacy",
+        "bytes_generic/legacy (plain-opt)",
+    ),
 }
-# The two that compile a whole train step several times take tens of seconds.
-SLOW = {"train_step", "controller"}
+# Those that compile a whole train step several times take tens of seconds.
+SLOW = {"train_step", "controller", "generic_step"}  # generic_step: see the test below
 
 
 @pytest.mark.parametrize(
@@ -70,3 +77,13 @@ def test_optimizer_update_compares_all_three_under_both_compile_modes(tmp_path):
     assert per["default"]["A"]["bytes"] == per["cpu_options"]["A"]["bytes"]
     saved = per["default"]["B"]["bytes"] - per["cpu_options"]["B"]["bytes"]
     assert saved == pytest.approx(4 * 4 * n, abs=256)  # (and a few scalar copies)
+
+
+def test_generic_step_compiles_to_the_legacy_lm_program(tmp_path):
+    # Not a timing: the generic step (lm_loss + make_train_step) is the same XLA program
+    # as the language-model step it replaced, so it cannot cost more.
+    mod = importlib.import_module("experiments.bench.generic_step")
+    results = mod.main(["--quick", "--out", str(tmp_path), "--no-progress"])
+    assert results["hlo_identical"] == {"guarded": True, "plain-opt": True}
+    assert results["ratios"]["bytes_generic/legacy"] == 1.0
+    assert results["ratios"]["bytes_generic/legacy (plain-opt)"] == 1.0
