@@ -475,7 +475,9 @@ def prepare(s: Setup, optimizer=None, *, precision: Any = None) -> Prepared:
         apply_fn=apply_fn,
         params=params,
         state=stabljax.TrainState.create(params, optimizer, precision=precision),
-        step=stabljax.make_train_step(apply_fn, optimizer, z_loss=s.z_loss, precision=precision),
+        step=stabljax.make_train_step(
+            stabljax.lm_loss(apply_fn, z_loss=s.z_loss), optimizer, precision=precision
+        ),
         put=batch_sharder(mesh, s.batch_size),
         eval_set=[held_out(i) for i in range(s.eval_batches)],
     )
@@ -727,7 +729,9 @@ class Trainer:
         apply_fn, _ = stabljax.nnx_apply(model)
         precision = self.precision or precision_of(self.s.precision)
         step = stabljax.make_train_step(
-            apply_fn, self.optimizer(**hparams), z_loss=self.s.z_loss, precision=precision
+            stabljax.lm_loss(apply_fn, z_loss=self.s.z_loss),
+            self.optimizer(**hparams),
+            precision=precision,
         )
         opts = self.compiler_options
         ce, aux = _eval_programs(model_config(self.s), model, tuple(sorted(opts.items())))

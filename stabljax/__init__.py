@@ -55,6 +55,7 @@ from stabljax.precision import DynamicLossScale as DynamicLossScale
 from stabljax.precision import LossScaleState as LossScaleState
 from stabljax.precision import Precision as Precision
 from stabljax.step import TrainState as TrainState
+from stabljax.step import lm_loss as lm_loss
 from stabljax.step import make_train_step as make_train_step
 from stabljax.step import nnx_apply as nnx_apply
 from stabljax.step import nnx_merge as nnx_merge
@@ -108,6 +109,7 @@ __all__ = (
     "init_plan",
     "layer_metrics_to_host",
     "lm_batch_fn",
+    "lm_loss",
     "make_train_step",
     "nnx_apply",
     "nnx_merge",

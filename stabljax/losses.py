@@ -15,14 +15,14 @@ import jax
 import jax.numpy as jnp
 from jax.typing import ArrayLike
 
+from stabljax.optim._base import validate
+
 __all__ = ("cross_entropy_with_z_loss", "z_loss")
 
 
-def _check_coefficient(z_loss: ArrayLike) -> None:
-    # Only a concrete Python number can be checked eagerly; a traced coefficient is the
-    # caller's responsibility.
-    if isinstance(z_loss, (int, float)) and not z_loss >= 0:
-        raise ValueError(f"z_loss must be >= 0, got {z_loss}")
+def _check_coefficient(z_loss: ArrayLike, owner: str = "cross_entropy_with_z_loss") -> None:
+    # A traced coefficient is not checked (it is the caller's responsibility).
+    validate(owner, "z_loss", z_loss, lambda v: v >= 0, ">= 0 (0 for plain cross-entropy)")
 
 
 def _mask(where: ArrayLike | None, shape: tuple[int, ...]) -> jax.Array:

@@ -10,14 +10,14 @@ scaling; float16 does, and :class:`DynamicLossScale` provides it.
 from __future__ import annotations
 
 import dataclasses
-import math
 from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.typing import ArrayLike, DTypeLike
 
-from stabljax.optim._base import all_finite
+from stabljax.optim._base import all_finite, is_nonneg_int, validate
 
 __all__ = (
     "DynamicLossScale",
@@ -90,24 +90,49 @@ class DynamicLossScale:
     max_scale: float = 2.0**24
 
     def __post_init__(self):
-        if not (isinstance(self.growth_interval, int) and self.growth_interval >= 1):
-            raise ValueError(f"growth_interval must be an int >= 1, got {self.growth_interval}")
-        if not self.growth_factor > 1.0 or not math.isfinite(self.growth_factor):
-            raise ValueError(f"growth_factor must be finite and > 1, got {self.growth_factor}")
-        if not 0.0 < self.backoff_factor < 1.0:
-            raise ValueError(f"backoff_factor must be in (0, 1), got {self.backoff_factor}")
-        if not 0.0 < self.min_scale <= _F32_MAX:
-            raise ValueError(f"min_scale must be > 0 and finite, got {self.min_scale}")
-        if not self.min_scale <= self.max_scale <= _F32_MAX:
-            raise ValueError(
-                f"max_scale must be finite in float32 and >= min_scale={self.min_scale}, "
-                f"got {self.max_scale}"
-            )
-        if not self.min_scale <= self.initial_scale <= self.max_scale:
-            raise ValueError(
-                f"initial_scale must be in [min_scale, max_scale] = "
-                f"[{self.min_scale}, {self.max_scale}], got {self.initial_scale}"
-            )
+        owner = "DynamicLossScale"
+        validate(
+            owner,
+            "growth_interval",
+            self.growth_interval,
+            lambda v: is_nonneg_int(v) and v >= 1,
+            "an integer >= 1",
+        )
+        validate(
+            owner,
+            "growth_factor",
+            self.growth_factor,
+            lambda v: np.isfinite(v) & (v > 1),
+            "finite and > 1",
+        )
+        validate(
+            owner,
+            "backoff_factor",
+            self.backoff_factor,
+            lambda v: (0 < v) & (v < 1),
+            "in the open interval (0, 1)",
+        )
+        validate(
+            owner,
+            "min_scale",
+            self.min_scale,
+            lambda v: (0 < v) & (v <= _F32_MAX),
+            "> 0 and finite in float32",
+        )
+        validate(
+            owner,
+            "max_scale",
+            self.max_scale,
+            lambda v: (self.min_scale <= v) & (v <= _F32_MAX),
+            f"finite in float32 and >= min_scale={self.min_scale}",
+        )
+        validate(
+            owner,
+            "initial_scale",
+            self.initial_scale,
+            lambda v: (self.min_scale <= v) & (v <= self.max_scale),
+            f"in [min_scale, max_scale] = [{self.min_scale}, {self.max_scale}]",
+        )
 
     def init(self) -> LossScaleState:
         """Returns the initial :class:`LossScaleState`."""
@@ -131,8 +156,12 @@ class DynamicLossScale:
 
 
 def _check_float(name: str, dtype: DTypeLike) -> None:
-    if not jnp.issubdtype(jnp.dtype(dtype), jnp.floating):
-        raise ValueError(f"{name} must be a floating dtype, got {dtype}")
+    try:
+        ok = jnp.issubdtype(jnp.dtype(dtype), jnp.floating)
+    except TypeError:
+        ok = False
+    if not ok:  # the message format of stabljax.optim._base.validate
+        raise ValueError(f"Precision: `{name}` must be a floating dtype; got {dtype!r}.")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -172,7 +201,8 @@ class Precision:
         _check_float("compute_dtype", self.compute_dtype)
         if self.loss_scale is not None and not isinstance(self.loss_scale, DynamicLossScale):
             raise ValueError(
-                f"loss_scale must be a DynamicLossScale or None, got {type(self.loss_scale)}"
+                "Precision: `loss_scale` must be a DynamicLossScale or None; got "
+                f"{self.loss_scale!r}."
             )
 
     @classmethod

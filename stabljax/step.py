@@ -1,14 +1,18 @@
-"""The jitted train step: cross-entropy + z-loss, precision, any Optax optimizer, metrics.
+"""The jitted train step: any loss, precision, any Optax optimizer, model state, metrics.
 
-One ``jax.jit`` region per step (flax's performance guide; equinox's "one big JIT
+:func:`make_train_step` takes ``loss_fn(params, batch, *, rng, model_state) -> (loss,
+aux)``; :func:`lm_loss` is the language-model loss (cross-entropy + z-loss) for it. One
+``jax.jit`` region per step (flax's performance guide; equinox's "one big JIT
 region"): forward, backward, loss scaling, the guarded optimizer update and every
 metric. Nothing inside it talks to the host, so the host can dispatch step ``t + 1``
 before it reads the metrics of step ``t``.
 
 Metrics (all ``jax.Array`` scalars):
 
-- ``loss``, ``ce``, ``z_loss``, ``log_z``, ``log_z_max``: see
-  :func:`stabljax.losses.cross_entropy_with_z_loss` (``loss == ce + z_loss``);
+- ``loss``: the loss ``loss_fn`` returned (unscaled, float32); with :func:`lm_loss` also
+  ``ce``, ``z_loss``, ``log_z``, ``log_z_max``: see
+  :func:`stabljax.losses.cross_entropy_with_z_loss` (``loss == ce + z_loss``); in
+  general every entry of ``aux`` but ``model_state``;
 - ``grad_norm``: global norm of the unscaled gradients; ``param_norm``: of the
   parameters the gradients were taken at; ``update_norm``: of the update applied
   (0 on a skipped step);
@@ -24,6 +28,7 @@ Metrics (all ``jax.Array`` scalars):
 from __future__ import annotations
 
 import dataclasses
+import inspect
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -40,9 +45,15 @@ from stabljax.optim import guards
 from stabljax.optim._base import with_extra_args
 from stabljax.precision import LossScaleState, Precision, all_finite, scale_loss, unscale_grads
 
-__all__ = ("TrainState", "make_train_step", "nnx_apply", "nnx_merge")
+__all__ = (
+    "TrainState",
+    "lm_loss",
+    "make_train_step",
+    "nnx_apply",
+    "nnx_merge",
+    "recommended_compiler_options",
+)
 
-ApplyFn = Callable[[Any, jax.Array], jax.Array]
 _FP32 = Precision.fp32()  # the default policy: everything float32
 
 
@@ -94,6 +105,25 @@ def _place(tree: Any, mesh: jax.sharding.Mesh | None) -> Any:
     return jax.tree.map(place, tree)
 
 
+def _is_traced(tree: Any) -> bool:
+    return any(isinstance(x, jax.core.Tracer) for x in jax.tree.leaves(tree))
+
+
+def _as_key(rng: Any) -> jax.Array | None:
+    if rng is None:
+        return None
+    if isinstance(rng, int) and not isinstance(rng, bool):
+        return jax.random.key(rng)
+    if isinstance(rng, jax.Array) and (
+        jnp.issubdtype(rng.dtype, jax.dtypes.prng_key)
+        or (rng.dtype == jnp.uint32 and rng.shape == (2,))
+    ):
+        return rng
+    raise TypeError(
+        f"TrainState.create: `rng` must be None, an int seed or a jax.random key; got {rng!r}."
+    )
+
+
 @flax.struct.dataclass
 class TrainState:
     """Everything the train step updates, as one pytree.
@@ -106,12 +136,19 @@ class TrainState:
       opt_state: the optimizer state.
       loss_scale_state: a :class:`~stabljax.precision.LossScaleState` with float16
         loss scaling, else ``None``.
+      rng: a ``jax.random`` key, split on every step taken (``None``: no randomness);
+        kept bit-for-bit on a skipped or overflowed step.
+      model_state: non-parameter state the forward pass updates (``nnx.BatchStat``,
+        linen's ``batch_stats``), or ``None``; kept bit-for-bit on a skipped or
+        overflowed step, exactly as the params are.
     """
 
     step: jax.Array
     params: Any
     opt_state: Any
     loss_scale_state: LossScaleState | None = None
+    rng: jax.Array | None = None
+    model_state: Any = None
 
     @classmethod
     def create(
@@ -119,6 +156,9 @@ class TrainState:
         params: Any,
         optimizer: optax.GradientTransformation,
         precision: Precision = _FP32,
+        *,
+        model_state: Any = None,
+        rng: jax.Array | int | None = None,
     ) -> TrainState:
         """Builds the initial state; it is safe to donate.
 
@@ -129,26 +169,47 @@ class TrainState:
         mesh (scalars) are replicated over it, so the step keeps all shardings and
         compiles once.
 
+        Under :func:`jax.eval_shape` (e.g. with ``jax.ShapeDtypeStruct`` params that
+        carry shardings, to plan shardings and AOT-compile as MaxText does) there are no
+        buffers to copy or place: it returns the abstract state, with the structure,
+        shapes and dtypes of the real one.
+
         Args:
           params: the parameters (a pytree; an ``nnx.State`` from :func:`nnx_apply`,
             or linen variables).
           optimizer: any Optax transformation (the one given to :func:`make_train_step`).
           precision: the policy given to :func:`make_train_step`.
+          model_state: the non-parameter state ``loss_fn`` reads and returns (see
+            :func:`make_train_step`); it is not cast.
+          rng: a ``jax.random`` key or an int seed for the step's ``rng``; ``None`` for
+            none.
 
         Returns:
           A :class:`TrainState` with ``step == 0``.
+
+        Example:
+          >>> import jax, jax.numpy as jnp, optax
+          >>> from stabljax.step import TrainState
+          >>> params = {"w": jax.ShapeDtypeStruct((4, 2), jnp.float32)}
+          >>> abstract = jax.eval_shape(lambda p: TrainState.create(p, optax.adam(1e-3)), params)
+          >>> abstract.opt_state[0].mu["w"].shape, abstract.step.dtype
+          ((4, 2), dtype('int32'))
         """
         params = precision.cast_to_param(params)
-        mesh = _common_mesh(params)
-        params = _place(params, mesh)
-        opt_state = _place(optimizer.init(params), mesh)
+        opt_state = optimizer.init(params)
         ls_state = precision.init_loss_scale()
-        return cls(
-            step=_place(jnp.zeros([], jnp.int32), mesh),
+        fields = dict(
+            step=jnp.zeros([], jnp.int32),
             params=params,
             opt_state=opt_state,
-            loss_scale_state=None if ls_state is None else _place(ls_state, mesh),
+            loss_scale_state=ls_state,
+            rng=_as_key(rng),
+            model_state=model_state,
         )
+        if _is_traced(fields):
+            return cls(**fields)
+        mesh = _common_mesh(params)
+        return cls(**{k: None if v is None else _place(v, mesh) for k, v in fields.items()})
 
 
 _CPU_OPTIONS = {"xla_cpu_copy_insertion_use_region_analysis": True}
@@ -198,48 +259,138 @@ def _jit_options(compiler_options: Any) -> dict[str, Any] | None:
     return dict(compiler_options)
 
 
+LossFn = Callable[..., tuple[jax.Array, Any]]
+_STEP_METRICS = (
+    "loss",
+    "grad_norm",
+    "update_norm",
+    "param_norm",
+    "skipped",
+    "skip_streak",
+    "overflow",
+    "loss_scale",
+    "layers",
+)
+
+
+def lm_loss(
+    apply_fn: Callable[..., Any], *, z_loss: float = 1e-4, stateful: bool = False
+) -> LossFn:
+    r"""The language-model ``loss_fn`` for :func:`make_train_step`: cross-entropy + z-loss.
+
+    ``loss_fn(params, batch, *, rng=None, model_state=None)`` is
+    :func:`~stabljax.losses.cross_entropy_with_z_loss` of
+    ``apply_fn(params, batch["inputs"])`` against the integer ``batch["targets"]``,
+    masked by the optional boolean ``batch["mask"]``; its ``aux`` holds ``ce``,
+    ``z_loss``, ``log_z`` and ``log_z_max``, which the step returns as metrics.
+
+    Args:
+      apply_fn: ``apply_fn(params, inputs) -> logits`` (``[..., vocab]``): linen's
+        ``module.apply``, or the first result of :func:`nnx_apply`. With
+        ``stateful=True``, ``apply_fn(params, inputs, *, rng, model_state) -> (logits,
+        model_state)``, as :func:`nnx_apply` with ``stateful=True`` returns; the new
+        model state goes into ``aux["model_state"]``.
+      z_loss: z-loss weight (>= 0); 0 gives plain cross-entropy.
+      stateful: whether ``apply_fn`` takes and returns model state (see above).
+
+    Returns:
+      ``loss_fn(params, batch, *, rng=None, model_state=None) -> (loss, aux)``.
+
+    Raises:
+      ValueError: if ``z_loss`` is negative or NaN.
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> from stabljax.step import lm_loss
+      >>> loss_fn = lm_loss(lambda params, inputs: params[inputs], z_loss=0.0)
+      >>> batch = {"inputs": jnp.array([[0, 1]]), "targets": jnp.array([[1, 0]])}
+      >>> loss, aux = loss_fn(jnp.zeros((2, 2)), batch)
+      >>> print(f"{float(loss):.4f}", sorted(aux))  # ln 2
+      0.6931 ['ce', 'log_z', 'log_z_max', 'z_loss']
+    """
+    _check_coefficient(z_loss, "lm_loss")
+    if not callable(apply_fn):
+        raise TypeError(f"lm_loss: `apply_fn` must be callable; got {apply_fn!r}.")
+
+    def loss_fn(params: Any, batch: Mapping[str, jax.Array], *, rng=None, model_state=None):
+        if stateful:
+            logits, model_state = apply_fn(
+                params, batch["inputs"], rng=rng, model_state=model_state
+            )
+        else:
+            logits = apply_fn(params, batch["inputs"])
+        loss, aux = cross_entropy_with_z_loss(
+            logits, batch["targets"], z_loss=z_loss, where=batch.get("mask")
+        )
+        if stateful:
+            aux = {**aux, "model_state": model_state}
+        return loss, aux
+
+    return loss_fn
+
+
+def _accepted_kwargs(fn: Callable[..., Any]) -> frozenset[str] | None:
+    """The names among ``rng``/``model_state`` that ``fn`` takes; None if it takes any."""
+    try:
+        params = inspect.signature(fn).parameters.values()
+    except (TypeError, ValueError):
+        return None
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params):
+        return None
+    return frozenset(p.name for p in params) & {"rng", "model_state"}
+
+
+def _select(keep: jax.Array, old: Any, new: Any) -> Any:
+    return jax.tree.map(lambda o, n: jnp.where(keep, o, n), old, new)
+
+
 def make_train_step(
-    apply_fn: ApplyFn,
+    loss_fn: LossFn,
     optimizer: optax.GradientTransformation,
     *,
-    z_loss: float = 1e-4,
     precision: Precision = _FP32,
     layer_metrics: bool = False,
     donate: bool = True,
     compiler_options: Mapping[str, Any] | None = None,
-) -> Callable[[TrainState, Mapping[str, jax.Array]], tuple[TrainState, dict[str, Any]]]:
-    r"""Returns the jitted ``step(state, batch) -> (state, metrics)`` of a language model.
+) -> Callable[[TrainState, Any], tuple[TrainState, dict[str, Any]]]:
+    r"""Returns the jitted ``step(state, batch) -> (state, metrics)`` for any loss.
 
-    With :math:`\theta` the master weights, :math:`S` the loss scale (1 without one) and
-    :math:`\mathcal{L}` :func:`~stabljax.losses.cross_entropy_with_z_loss` of
-    ``apply_fn(cast(θ), batch["inputs"])`` against ``batch["targets"]`` (masked by the
-    optional ``batch["mask"]``):
+    ``loss_fn(params, batch, *, rng, model_state) -> (loss, aux)`` gets the parameters
+    cast to ``precision.compute_dtype``, the batch, a fresh key split from
+    ``state.rng`` (``None`` without one) and ``state.model_state``; ``loss`` is a float
+    scalar and ``aux`` a dict (or ``None``). ``aux["model_state"]``, if present, is the
+    updated model state (BatchNorm statistics, ...); every other entry of ``aux`` is
+    returned in ``metrics`` under its own name. A ``loss_fn`` that does not take
+    ``rng`` or ``model_state`` is called without it. :func:`lm_loss` builds the
+    language-model one. With :math:`\theta` the master weights and :math:`S` the loss
+    scale (1 without one):
 
     .. math::
 
-      g = \nabla_\theta (S \cdot \mathcal{L}) / S, \qquad
-      (u, s') = \mathrm{optimizer.update}(g, s, \theta, \mathrm{loss}=\mathcal{L}), \qquad
-      \theta' = \theta + u.
+      g = \nabla_\theta (S \cdot \mathrm{loss}) / S, \qquad
+      (u, s') = \mathrm{optimizer.update}(g, s, \theta, \mathrm{value}=\mathrm{loss},
+      \mathrm{loss}=\mathrm{loss}), \qquad \theta' = \theta + u.
 
-    The loss is always passed as ``loss=`` (a plain Optax optimizer ignores it;
-    ``skip_nonfinite`` / ``skip_spikes`` read it). With float16 loss scaling the
-    overflow check comes first: if :math:`g` or :math:`\mathcal{L}` is non-finite the
-    optimizer is not called at all, so neither the parameters nor the optimizer state
-    change (zeroed gradients would still move them through momentum),
-    ``metrics["overflow"]`` is true, ``metrics["skipped"]`` (guards only) is false, and
-    the scale backs off. ``state.step`` counts every call. The metrics are listed in
-    :mod:`stabljax.step`; every one is a device scalar and nothing is fetched.
+    The loss is passed under both names, optax's ``value=`` (read by
+    ``optax.contrib.reduce_on_plateau``) and ``loss=`` (a plain Optax optimizer ignores
+    both; the stabljax guards read either). With float16 loss scaling the overflow
+    check comes first: if :math:`g` or the loss is non-finite the optimizer is not
+    called at all, so neither the parameters nor the optimizer state change (zeroed
+    gradients would still move them through momentum), ``metrics["overflow"]`` is
+    true, ``metrics["skipped"]`` (guards only) is false, and the scale backs off. On an
+    overflow or a guard-skipped step (:func:`stabljax.any_skipped`) the model state and
+    the RNG key are kept bit-for-bit too, so a NaN batch cannot poison BatchNorm
+    statistics. ``state.step`` counts every call. The metrics are listed in
+    :mod:`stabljax.step`; every one is a device value and nothing is fetched.
 
     Shardings: the step is a plain ``jax.jit``; parameters sharded on a mesh (data
     parallel with replicated params, FSDP-style with sharded params) keep their
     shardings, and a batch sharded along its leading axis is data parallel.
 
     Args:
-      apply_fn: ``apply_fn(params, inputs) -> logits`` (``[..., vocab]``). For linen,
-        ``module.apply`` with ``params`` the variables dict; for nnx, see
-        :func:`nnx_apply`.
+      loss_fn: ``loss_fn(params, batch, *, rng, model_state) -> (loss, aux)``, e.g.
+        :func:`lm_loss`.
       optimizer: any Optax transformation, guarded or not.
-      z_loss: z-loss weight (>= 0); 0 gives plain cross-entropy.
       precision: the :class:`~stabljax.precision.Precision` policy (the one the state
         was created with).
       layer_metrics: also return ``metrics["layers"]``, per-parameter-path norms
@@ -252,19 +403,25 @@ def make_train_step(
         ``jax.make_jaxpr``).
 
     Returns:
-      The jitted step. ``batch`` is a dict with ``inputs``, integer ``targets`` and an
-      optional boolean ``mask`` of the targets' shape.
+      The jitted step.
+
+    Raises:
+      TypeError: if ``loss_fn`` is not callable.
+      ValueError: if ``precision`` is not a ``Precision``; when traced, if the state
+        does not match the precision policy, the loss is not a float scalar, ``aux`` is
+        not a dict or names a metric of the step, or ``aux`` returns a ``model_state``
+        the state has none of.
 
     Example:
       >>> import jax
       >>> import jax.numpy as jnp
       >>> import optax
-      >>> from stabljax.step import TrainState, make_train_step
+      >>> from stabljax.step import TrainState, lm_loss, make_train_step
       >>> def apply_fn(params, inputs):  # a bigram model
       ...     return params["table"][inputs]
       >>> params = {"table": jnp.zeros((4, 4))}
       >>> opt = optax.sgd(1.0)
-      >>> step = make_train_step(apply_fn, opt)
+      >>> step = make_train_step(lm_loss(apply_fn), opt)
       >>> state = TrainState.create(params, opt)
       >>> batch = {"inputs": jnp.array([[0, 1, 2]]), "targets": jnp.array([[1, 2, 3]])}
       >>> for _ in range(3):
@@ -276,31 +433,78 @@ def make_train_step(
       >>> int(state.step), bool(metrics["skipped"]), float(metrics["loss_scale"])
       (3, False, 1.0)
     """
-    _check_coefficient(z_loss)
+    if not callable(loss_fn):
+        raise TypeError(f"make_train_step: `loss_fn` must be callable; got {loss_fn!r}.")
     if not isinstance(precision, Precision):
-        raise ValueError(f"precision must be a stabljax Precision, got {type(precision)}")
+        raise ValueError(
+            f"make_train_step: `precision` must be a stabljax Precision; got {precision!r}."
+        )
     tx = with_extra_args(optimizer)
     dls = precision.loss_scale
+    accepted = _accepted_kwargs(loss_fn)
 
-    def loss_fn(params, batch, ls_state):
-        logits = apply_fn(precision.cast_to_compute(params), batch["inputs"])
-        loss, aux = cross_entropy_with_z_loss(
-            logits, batch["targets"], z_loss=z_loss, where=batch.get("mask")
-        )
-        return scale_loss(loss, ls_state), (loss, aux)
+    def call_loss(params, batch, rng, model_state):
+        kwargs = {"rng": rng, "model_state": model_state}
+        if accepted is not None:
+            for name in ("rng", "model_state"):
+                if name not in accepted:
+                    if kwargs.pop(name) is not None:
+                        raise TypeError(
+                            f"make_train_step: the state has a `{name}`, but loss_fn does not "
+                            f"take it; give loss_fn a keyword argument `{name}`."
+                        )
+        loss, aux = loss_fn(params, batch, **kwargs)
+        if aux is None:
+            aux = {}
+        if not isinstance(aux, Mapping):
+            raise ValueError(
+                f"make_train_step: loss_fn must return (loss, aux) with aux a dict or None; "
+                f"got aux of type {type(aux).__name__}."
+            )
+        return loss, dict(aux)
 
-    def step(state: TrainState, batch: Mapping[str, jax.Array]):
+    def scaled_loss(params, batch, ls_state, rng, model_state):
+        loss, aux = call_loss(precision.cast_to_compute(params), batch, rng, model_state)
+        loss = jnp.asarray(loss)
+        if loss.shape != () or not jnp.issubdtype(loss.dtype, jnp.floating):
+            raise ValueError(
+                "make_train_step: loss_fn must return a float scalar loss; got "
+                f"{loss.dtype}{list(loss.shape)}. Reduce it (e.g. .mean()) in loss_fn."
+            )
+        return scale_loss(loss, ls_state), (loss.astype(jnp.float32), aux)
+
+    def step(state: TrainState, batch: Any):
         ls_state = state.loss_scale_state
         if (ls_state is None) != (dls is None):
             raise ValueError(
                 "state.loss_scale_state does not match the precision policy: create the "
                 "state with TrainState.create(..., precision=precision)"
             )
-        grads, (loss, aux) = jax.grad(loss_fn, has_aux=True)(state.params, batch, ls_state)
+        if state.rng is None:
+            next_rng = step_rng = None
+        else:
+            next_rng, step_rng = jax.random.split(state.rng)
+        grads, (loss, aux) = jax.grad(scaled_loss, has_aux=True)(
+            state.params, batch, ls_state, step_rng, state.model_state
+        )
         grads = unscale_grads(grads, ls_state)
+        new_model_state = aux.pop("model_state", state.model_state)
+        if state.model_state is None and new_model_state is not None:
+            raise ValueError(
+                "make_train_step: loss_fn returned aux['model_state'], but the state has no "
+                "model_state; create it with TrainState.create(..., model_state=...)."
+            )
+        clash = set(aux) & set(_STEP_METRICS)
+        if clash:
+            raise ValueError(
+                f"make_train_step: aux entries {sorted(clash)} clash with the step's own "
+                "metrics; rename them in loss_fn."
+            )
 
         def apply(_):
-            updates, opt_state = tx.update(grads, state.opt_state, state.params, loss=loss)
+            updates, opt_state = tx.update(
+                grads, state.opt_state, state.params, value=loss, loss=loss
+            )
             return optax.apply_updates(state.params, updates), opt_state, updates
 
         def skip(_):
@@ -318,17 +522,20 @@ def make_train_step(
             scale = ls_state.loss_scale
             new_ls_state = dls.adjust(ls_state, finite)
 
+        # On an overflow the optimizer did not run: its flags are the previous step's.
+        skipped = jnp.logical_and(jnp.logical_not(overflow), guards.any_skipped(opt_state))
+        keep = jnp.logical_or(skipped, overflow)
+        if state.model_state is not None:
+            new_model_state = _select(keep, state.model_state, new_model_state)
+        if next_rng is not None:
+            next_rng = _select(keep, state.rng, next_rng)
         metrics = {
             "loss": loss,
-            "ce": aux["ce"],
-            "z_loss": aux["z_loss"],
-            "log_z": aux["log_z"],
-            "log_z_max": aux["log_z_max"],
+            **aux,
             "grad_norm": telemetry.global_norm(grads),
             "update_norm": telemetry.global_norm(updates),
             "param_norm": telemetry.global_norm(state.params),
-            # On an overflow the optimizer did not run: its flags are the previous step's.
-            "skipped": jnp.logical_and(jnp.logical_not(overflow), guards.any_skipped(opt_state)),
+            "skipped": skipped,
             "skip_streak": jnp.asarray(guards.skip_streak(opt_state), jnp.int32),
             "overflow": overflow,
             "loss_scale": scale,
@@ -340,6 +547,8 @@ def make_train_step(
             params=params,
             opt_state=opt_state,
             loss_scale_state=new_ls_state,
+            rng=next_rng,
+            model_state=new_model_state,
         )
         return new_state, metrics
 
@@ -347,29 +556,66 @@ def make_train_step(
     return jax.jit(step, donate_argnums=(0,) if donate else (), compiler_options=options)
 
 
-def nnx_apply(model: nnx.Module, **call_kwargs: Any) -> tuple[ApplyFn, nnx.State]:
-    """Splits an ``nnx.Module`` into a pure ``apply_fn(params, inputs)`` and its params.
+def _reseed(model_state: nnx.State, rng: jax.Array) -> nnx.State:
+    """``model_state`` with every RNG stream's key drawn from ``rng`` and its count at 0.
+
+    Functional, as ``nnx.reseed`` may not write, inside ``jax.grad``, to Variables that
+    came in from the outer ``jit``: stream ``tag`` gets ``fold_in(rng, i)``, ``i`` its
+    rank among the tags.
+    """
+
+    def is_var(x):
+        return isinstance(x, nnx.Variable)
+
+    variables = jax.tree.leaves(model_state, is_leaf=is_var)
+    tags = sorted({v.tag for v in variables if isinstance(v, (nnx.RngKey, nnx.RngCount))})
+    index = {t: i for i, t in enumerate(tags)}
+
+    def reseed(v):
+        if isinstance(v, nnx.RngKey):
+            return v.replace(jax.random.fold_in(rng, index[v.tag]))
+        if isinstance(v, nnx.RngCount):
+            return v.replace(jnp.zeros_like(v[...]))
+        return v
+
+    return jax.tree.map(reseed, model_state, is_leaf=is_var)
+
+
+def nnx_apply(
+    model: nnx.Module, *, stateful: bool = False, **call_kwargs: Any
+) -> tuple[Callable[..., Any], nnx.State] | tuple[Callable[..., Any], nnx.State, nnx.State]:
+    """Splits an ``nnx.Module`` into a pure apply function and its state.
 
     As flax's performance guide does: ``graphdef, params, rest = nnx.split(model,
     nnx.Param, ...)`` once, and ``nnx.merge`` inside the jitted step. Only the
-    ``nnx.Param`` variables are trained. The rest of the model's state (RNG streams,
-    batch statistics, any other ``nnx.Variable``) is frozen at its value now and closed
-    over as a constant: whatever ``__call__`` writes to it is discarded, so dropout
-    would draw the same mask every step. Put such a model in eval mode
-    (``model.eval()``), or pass keys through the inputs.
+    ``nnx.Param`` variables are trained.
+
+    - ``stateful=False``: ``(apply_fn, params)`` with ``apply_fn(params, inputs) ->
+      model(inputs)``. The rest of the model's state (RNG streams, batch statistics) is
+      frozen at its value now and closed over as a constant: whatever ``__call__``
+      writes to it is discarded, so dropout would draw the same mask every step. Use
+      it for models without such state, or in eval mode (``model.eval()``).
+    - ``stateful=True``: ``(apply_fn, params, model_state)`` with ``model_state`` the
+      ``nnx.State`` of every other variable (``nnx.BatchStat``, RNG keys and counts, ...)
+      and ``apply_fn(params, inputs, *, rng=None, model_state) -> (outputs,
+      new_model_state)``. With a key ``rng``, every RNG stream of the model (dropout,
+      ...) is reseeded from it first, so the train step's ``TrainState.rng`` drives
+      the randomness; without one, the streams' own counters advance in the model
+      state. Call ``model.train()`` (or ``.eval()``) before, to fix the mode.
 
     Args:
       model: the module; it is not modified.
+      stateful: return the non-param state and an ``apply_fn`` that threads it and RNG.
       **call_kwargs: passed to every call, e.g. ``return_aux=True`` for a
         :class:`~stabljax.nn.TransformerLM` whose aux :func:`stabljax.check_init` reads.
 
     Returns:
-      ``(apply_fn, params)``: ``apply_fn(params, inputs) -> model(inputs)`` for
-      :func:`make_train_step`, and the ``nnx.State`` of the params for
-      :meth:`TrainState.create`. :func:`nnx_merge` puts trained params back.
+      ``(apply_fn, params)`` or, with ``stateful=True``, ``(apply_fn, params,
+      model_state)``, for :func:`lm_loss` or your own ``loss_fn`` and for
+      :meth:`TrainState.create`. :func:`nnx_merge` puts trained state back.
 
     Example:
-      >>> import jax.numpy as jnp
+      >>> import jax, jax.numpy as jnp
       >>> from flax import nnx
       >>> from stabljax.step import nnx_apply, nnx_merge
       >>> model = nnx.Linear(3, 2, rngs=nnx.Rngs(0))
@@ -378,8 +624,27 @@ def nnx_apply(model: nnx.Module, **call_kwargs: Any) -> tuple[ApplyFn, nnx.State
       (1, 2)
       >>> nnx_merge(model, params).kernel[...].shape
       (3, 2)
+      >>> bn = nnx.BatchNorm(2, rngs=nnx.Rngs(0))
+      >>> apply_fn, params, model_state = nnx_apply(bn, stateful=True)
+      >>> y, model_state = apply_fn(params, jnp.array([[0.0, 2.0], [2.0, 4.0]]),
+      ...                           model_state=model_state)
+      >>> print(model_state["mean"][...])  # 0.99 * 0 + 0.01 * [1, 3]
+      [0.01 0.03]
     """
     graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+    if stateful:
+
+        def stateful_apply(params, inputs, *, rng=None, model_state):
+            if rng is not None:
+                model_state = _reseed(model_state, rng)
+            # copy: fresh Variables at this trace level (inside jax.grad), which the call
+            # may write to; the ones passed in belong to the outer jit.
+            module = nnx.merge(graphdef, params, model_state, copy=True)
+            out = module(inputs, **call_kwargs)
+            _, _, new_state = nnx.split(module, nnx.Param, ...)
+            return out, new_state
+
+        return stateful_apply, params, rest
     if not jax.tree.leaves(rest):
         # Hashable by value: two models of one architecture share jit caches keyed on it
         # (check_init compiles once for several inits of the same model).
@@ -400,21 +665,26 @@ class _MergeApply:
         return nnx.merge(self.graphdef, params)(inputs, **dict(self.call_kwargs))
 
 
-def nnx_merge(model_or_graphdef: nnx.Module | nnx.GraphDef, params: nnx.State) -> nnx.Module:
+def nnx_merge(
+    model_or_graphdef: nnx.Module | nnx.GraphDef, params: nnx.State, model_state: Any = None
+) -> nnx.Module:
     """Returns a new module with trained ``params`` (the inverse of :func:`nnx_apply`).
 
     Args:
       model_or_graphdef: the module given to :func:`nnx_apply` (its non-param state
-        is kept; the module itself is not modified), or a ``GraphDef`` of a module
-        whose whole state is params.
+        is kept unless ``model_state`` is given; the module itself is not modified), or
+        a ``GraphDef`` of a module whose whole state is params (plus ``model_state``).
       params: ``state.params`` of a :class:`TrainState`. With ``donate=True`` the
         next step call invalidates these buffers: merge after the last step, or merge
         a copy.
+      model_state: ``state.model_state`` (trained BatchNorm statistics, ...), or None.
 
     Returns:
       The module, with ``params`` as its ``nnx.Param`` values.
     """
     if isinstance(model_or_graphdef, nnx.Module):
         graphdef, _, rest = nnx.split(model_or_graphdef, nnx.Param, ...)
-        return nnx.merge(graphdef, params, rest)
-    return nnx.merge(model_or_graphdef, params)
+        return nnx.merge(graphdef, params, rest if model_state is None else model_state)
+    if model_state is None:
+        return nnx.merge(model_or_graphdef, params)
+    return nnx.merge(model_or_graphdef, params, model_state)

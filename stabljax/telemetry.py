@@ -29,7 +29,7 @@ __all__ = (
     "path_str",
 )
 
-_ADAM_FIELDS = (("mu", "nu", "count"), ("safe_adam_mu", "safe_adam_nu", "safe_adam_count"))
+_ADAM_FIELDS = ("mu", "nu", "count")
 
 
 def path_str(path: tuple[Any, ...]) -> str:
@@ -141,14 +141,11 @@ def layer_metrics_to_host(metrics: Mapping[str, Any]) -> dict[str, float]:
     return out
 
 
-def _adam_fields(x: Any) -> tuple[str, str, str] | None:
+def _is_adam_state(x: Any) -> bool:
+    # optax's ScaleByAdamState and stabljax's safe-Adam and Adam-atan2 states share the
+    # field names, so one test finds all three (and any other state that follows optax).
     fields = getattr(type(x), "_fields", None)
-    if not isinstance(x, tuple) or fields is None:
-        return None
-    for names in _ADAM_FIELDS:
-        if all(n in fields for n in names):
-            return names
-    return None
+    return isinstance(x, tuple) and fields is not None and all(n in fields for n in _ADAM_FIELDS)
 
 
 def adam_eps_report(opt_state: Any, eps: float, *, b2: float = 0.999) -> dict[str, float]:
@@ -162,10 +159,10 @@ def adam_eps_report(opt_state: Any, eps: float, *, b2: float = 0.999) -> dict[st
     :math:`\hat v = \nu = 0` before the first update).
 
     Every Adam state anywhere in ``opt_state`` is found (inside ``optax.chain``,
-    ``inject_hyperparams``, ``multi_transform``, stabljax guards): optax's
-    ``ScaleByAdamState`` (fields ``mu``, ``nu``, ``count``) and stabljax's
-    ``ScaleBySafeAdamState`` (``safe_adam_mu``, ``safe_adam_nu``,
-    ``safe_adam_count``). Host-side: it fetches the result.
+    ``inject_hyperparams``, ``multi_transform``, stabljax guards): any state with
+    optax's ``ScaleByAdamState`` fields ``mu``, ``nu`` and ``count``, which stabljax's
+    ``ScaleBySafeAdamState`` and ``ScaleByAdamAtan2State`` share. Host-side: it fetches
+    the result.
 
     Args:
       opt_state: an optimizer state.
@@ -196,18 +193,14 @@ def adam_eps_report(opt_state: Any, eps: float, *, b2: float = 0.999) -> dict[st
     """
     if not 0.0 <= b2 < 1.0:
         raise ValueError(f"b2 must be in [0, 1), got {b2}")
-    found = jax.tree_util.tree_flatten_with_path(
-        opt_state, is_leaf=lambda x: _adam_fields(x) is not None
-    )[0]
+    found = jax.tree_util.tree_flatten_with_path(opt_state, is_leaf=_is_adam_state)[0]
     entries: list[tuple[str, str, jax.Array]] = []
     for state_path, state in found:
-        names = _adam_fields(state)
-        if names is None:
+        if not _is_adam_state(state):
             continue
-        _, nu_name, count_name = names
-        count = jnp.asarray(getattr(state, count_name)).astype(jnp.float32)
+        count = jnp.asarray(state.count).astype(jnp.float32)
         correction = jnp.where(count > 0, 1.0 - jnp.power(jnp.float32(b2), count), 1.0)
-        for path, nu in jax.tree_util.tree_flatten_with_path(getattr(state, nu_name))[0]:
+        for path, nu in jax.tree_util.tree_flatten_with_path(state.nu)[0]:
             v_hat = jnp.asarray(nu).astype(jnp.float32) / correction
             frac = jnp.mean(jnp.sqrt(v_hat) < eps)
             entries.append((path_str(state_path), path_str(path), frac))

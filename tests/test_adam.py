@@ -18,6 +18,7 @@ from helpers import (
 )
 
 from stabljax.optim import adam
+from stabljax.optim.guards import skip_nonfinite
 
 DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
 
@@ -139,7 +140,7 @@ def test_safe_adam_matches_float64_numpy(nesterov, b1, b2, eps, eps_root):
     for u, w in zip(got, want, strict=True):
         np.testing.assert_allclose(np.asarray(u), w, rtol=1e-5, atol=1e-6)
     assert np.asarray(got[-1])[0] == 0.0  # the unused coordinate: exactly 0
-    assert int(state.safe_adam_count) == len(seq)
+    assert int(state.count) == len(seq)
 
 
 @pytest.mark.parametrize("b1,b2,a,b", [(0.9, 0.999, 1.27, 1.0), (0.8, 0.99, 2.0, 0.5)])
@@ -150,7 +151,7 @@ def test_adam_atan2_matches_float64_numpy(b1, b2, a, b):
     )
     for u, w in zip(got, _np_adam_atan2(seq, b1, b2, a, b), strict=True):
         np.testing.assert_allclose(np.asarray(u), w, rtol=1e-5, atol=1e-6)
-    assert int(state.atan2_count) == len(seq)
+    assert int(state.count) == len(seq)
 
 
 def test_adam_atan2_first_step_is_a_times_pi_over_4():
@@ -232,6 +233,30 @@ def test_safe_aliases_with_eps_equal_optax(ours, ref):
         chex.assert_trees_all_close(p, r, rtol=1e-6, atol=1e-7)
 
 
+@pytest.mark.parametrize(
+    "ours",
+    [
+        lambda: adam.safe_adamw(0.05, eps=1e-8),
+        lambda: skip_nonfinite(adam.adamw_atan2(0.05)),
+    ],
+    ids=["safe_adamw", "guarded_adamw_atan2"],
+)
+def test_state_has_optax_field_names(ours):
+    # optax's tree_get and tooling that reads Adam's moments find count, mu and nu; the
+    # moments are optax's own (its ScaleByAdamState after the same float32 gradients).
+    params = _small_params()
+    opt, ref = ours(), optax.scale_by_adam(eps=1e-8)
+    state, ref_state = opt.init(params), ref.init(params)
+    update, ref_update = _jit_update(opt), _jit_update(ref)
+    for seed in range(3):
+        g = _grads_like(params, seed=seed)
+        _, state = update(g, state, params)
+        _, ref_state = ref_update(g, ref_state, params)
+    assert int(optax.tree_utils.tree_get(state, "count")) == 3
+    chex.assert_trees_all_equal(optax.tree_utils.tree_get(state, "mu"), ref_state.mu)
+    chex.assert_trees_all_equal(optax.tree_utils.tree_get(state, "nu"), ref_state.nu)
+
+
 def test_adamw_atan2_decay_is_lr_scaled_and_not_multiplied_by_a():
     params = {"w": jnp.array([2.0, -4.0, 1.0])}
     grads = {"w": jnp.array([0.5, 0.5, 0.0])}
@@ -310,7 +335,7 @@ def test_tiny_eps_in_low_precision_gives_finite_nonzero_updates(dtype):
         chex.assert_tree_all_finite(u)
         assert np.all(np.asarray(u, np.float32) != 0)
         np.testing.assert_allclose(np.asarray(u, np.float32), w, rtol=2e-2, atol=2e-2)
-    assert state.safe_adam_nu.dtype == jnp.float32
+    assert state.nu.dtype == jnp.float32
     if dtype == jnp.float16:  # and the reference failure: optax's nu underflows to Inf updates
         ref, _ = _run(optax.scale_by_adam(eps=1e-15), seq)
         assert not np.all(np.isfinite(np.asarray(ref[0], np.float32)))
@@ -357,7 +382,7 @@ def test_adam_atan2_is_invariant_to_gradient_scale(scale):
     for u, r in zip(got, base, strict=True):
         chex.assert_trees_all_close(u, r, rtol=1e-5, atol=1e-6)
     # g * 1e-8 squares to ~1e-16 g^2: still a normal float32, nothing flushed to 0
-    nu = np.concatenate([np.ravel(x) for x in _leaves(state.atan2_nu)])
+    nu = np.concatenate([np.ravel(x) for x in _leaves(state.nu)])
     assert np.all(nu >= np.finfo(np.float32).tiny) and np.all(np.isfinite(nu))
     # whereas Adam with eps = 1e-8 is not invariant at this scale
     if scale == 1e-8:
@@ -379,10 +404,11 @@ def test_dtypes_are_kept(name, dtype):
     got, state = _run(tx, seq, params)
     for u in got:
         assert jax.tree.map(lambda x: x.dtype, u) == jax.tree.map(lambda x: x.dtype, params)
-    # mu in the param dtype; nu in float32 for every low-precision leaf
+    # mu in the param dtype but float32 for float16; nu in float32 for every low-precision leaf
     chex.assert_trees_all_equal_dtypes(state, state0)
     mu, nu = state[1], state[2]
-    assert {x.dtype for x in _leaves(mu)} == {jnp.dtype(dtype)}
+    mu_dtype = jnp.float32 if dtype == jnp.float16 else dtype
+    assert {x.dtype for x in _leaves(mu)} == {jnp.dtype(mu_dtype)}
     assert {x.dtype for x in _leaves(nu)} == {jnp.dtype(jnp.float32)}
     # low-precision updates agree with the float32 computation on the same inputs
     seq32 = [jax.tree.map(lambda g: g.astype(jnp.float32), s) for s in seq]
@@ -538,7 +564,69 @@ BAD = [
     (adam.scale_by_adam_atan2, {"b2": jnp.asarray(1.0)}, "b2", "[0, 1)"),
     (lambda **k: adam.adamw_atan2(0.1, **k), {"weight_decay": -0.1}, "weight_decay", ">= 0"),
     (lambda **k: adam.adamw_atan2(0.1, **k), {"b": -1.0}, "b", "> 0"),
+    (lambda **k: adam.safe_adamw(0.1, **k), {"b1": float("nan")}, "b1", "[0, 1)"),
+    (lambda **k: adam.safe_adamw(0.1, **k), {"weight_decay": float("nan")}, "weight_decay", ">= 0"),
 ]
+LR_FACTORIES = {
+    "safe_adam": adam.safe_adam,
+    "safe_adamw": adam.safe_adamw,
+    "adamw_atan2": adam.adamw_atan2,
+}
+
+
+@pytest.mark.parametrize("lr", [-1e-3, float("nan"), float("inf"), jnp.asarray(-0.1)])
+@pytest.mark.parametrize("name", sorted(LR_FACTORIES))
+def test_negative_or_nonfinite_learning_rate_raises(name, lr):
+    with pytest.raises(ValueError) as err:
+        LR_FACTORIES[name](lr)
+    msg = str(err.value)
+    assert msg.startswith(f"{name}: `learning_rate` must be") and "negate the loss" in msg
+
+
+@pytest.mark.parametrize("name", sorted(LR_FACTORIES))
+def test_zero_learning_rate_and_schedules_are_accepted(name):
+    LR_FACTORIES[name](0.0)
+    LR_FACTORIES[name](optax.linear_schedule(-1.0, 1.0, 10))  # a schedule is not evaluated
+
+
+@pytest.mark.parametrize("int_params", [True, False])
+def test_integer_gradients_give_a_float_update_like_optax(int_params):
+    # optax.adamw promotes integer gradients to float32; safe_adamw used to cast its Adam
+    # update back to int32, which made it 0. Reference: float64 numpy Adam.
+    p = jnp.array([1, 2, 3, 4], jnp.int32)
+    params = p if int_params else p.astype(jnp.float32)
+    seq = [np.array([1, -2, 0, 3]), np.array([2, -1, 0, 3]), np.array([0, 4, 0, -3])]
+    lr, wd = 0.1, 0.0
+    opt = adam.safe_adamw(lr, weight_decay=wd)
+    got, state = _run(opt, [jnp.asarray(g, jnp.int32) for g in seq], params)
+    want = [-lr * u for u in _np_safe_adam([g.astype(np.float64) for g in seq])]
+    for u, w in zip(got, want, strict=True):
+        assert u.dtype == jnp.float32
+        np.testing.assert_allclose(np.asarray(u), w, rtol=1e-5, atol=1e-7)
+    assert {x.dtype for x in _leaves((state[0].mu, state[0].nu))} == {jnp.dtype(jnp.float32)}
+    # optax.adamw (eps = 1e-8) agrees to float32 rounding; with integer params only on the
+    # first step, since optax then stores its second moment as int32 and truncates it.
+    ref_got, _ = _run(
+        optax.adamw(lr, weight_decay=wd), [jnp.asarray(g, jnp.int32) for g in seq], params
+    )
+    for u, r in list(zip(got, ref_got, strict=True))[: 1 if int_params else None]:
+        np.testing.assert_allclose(np.asarray(u), np.asarray(r), rtol=1e-6, atol=1e-8)
+
+
+@pytest.mark.parametrize("name", sorted(TRANSFORMS))
+def test_wrong_shaped_gradient_raises_naming_the_leaf(name):
+    # A (1, 4) gradient for a (3, 4) parameter broadcasts, and would silently make the
+    # moments (3, 4) again by accident, or (n, 4) -> a changed state shape. It is rejected.
+    params = {"w": jnp.zeros((3, 4)), "b": jnp.zeros(4)}
+    tx = TRANSFORMS[name]
+    state = tx.init(params)
+    grads = {"w": jnp.ones((1, 4)), "b": jnp.ones(4)}
+    with pytest.raises(ValueError) as err:
+        jax.jit(tx.update)(grads, state, params)
+    msg = str(err.value)
+    assert "['w']" in msg and "(1, 4)" in msg and "(3, 4)" in msg, msg
+    with pytest.raises(ValueError, match=r"\(4,\).*\(\)"):
+        jax.jit(tx.update)(jnp.ones(4), tx.init(jnp.zeros(())))
 
 
 @pytest.mark.parametrize("factory,kwargs,name,allowed", BAD)
@@ -594,3 +682,91 @@ def test_converges_like_optax_adam(make, problem):
     initial, loss, final = problem()
     params = run_optimizer(make(), initial, loss, steps=10_000)
     chex.assert_trees_all_close(params, final, rtol=3e-2, atol=3e-2)
+
+
+# ----------------------------------------------------------------------------- boundedness
+
+
+def _bound_sequences(b1, b2, steps):
+    """Columns: the Cauchy-Schwarz-tight sequence, a spike then silence, heavy tails, signs."""
+    rng = np.random.default_rng(7)
+    k = np.arange(1, steps + 1, dtype=np.float64)
+    tight = (b2 / b1) ** k if b1 > 0 else (k == steps).astype(np.float64)
+    spike = np.where(k == 3, 1e3, np.where(k < 3, 1.0, 0.0))
+    heavy = rng.standard_cauchy(steps)
+    flips = (-1.0) ** k * 10.0 ** rng.uniform(-3, 3, steps)
+    return np.stack([tight, spike, heavy, flips], axis=1).astype(np.float32)
+
+
+@pytest.mark.parametrize("nesterov", [False, True])
+@pytest.mark.parametrize("b1,b2", [(0.9, 0.999), (0.9, 0.95), (0.5, 0.3), (0.95, 0.91), (0.0, 0.5)])
+def test_safe_adam_at_eps_zero_is_bounded_by_ratio_bound(b1, b2, nesterov):
+    steps = 60
+    cols = _bound_sequences(b1, b2, steps)
+    seq = list(cols)
+    tx = adam.scale_by_safe_adam(b1=b1, b2=b2, nesterov=nesterov)
+    got, _ = _run(tx, [jnp.asarray(g) for g in seq])
+    want = _np_safe_adam(seq, b1, b2, nesterov=nesterov)  # float64
+    for t, (u, w) in enumerate(zip(got, want, strict=True), start=1):
+        bound = adam.ratio_bound(b1, b2, t, nesterov=nesterov)
+        np.testing.assert_allclose(np.asarray(u), w, rtol=2e-4, atol=1e-6)
+        assert np.max(np.abs(w)) <= bound * (1 + 1e-9), (t, w, bound)
+        assert np.max(np.abs(np.asarray(u))) <= bound * (1 + 1e-5), (t, u, bound)
+        assert bound <= adam.ratio_bound(b1, b2, nesterov=nesterov) * (1 + 1e-12)
+    if not nesterov:  # the bound is attained, so it is the least one
+        assert abs(want[-1][0]) >= (1 - 1e-9) * adam.ratio_bound(b1, b2, steps)
+        assert abs(float(got[-1][0])) >= (1 - 1e-4) * adam.ratio_bound(b1, b2, steps)
+
+
+def test_ratio_bound_by_hand():
+    # t = 1: m_hat = g, v_hat = g^2, so |u| = 1; the limit (1-b1)/sqrt((1-b2)(1-b1^2/b2)).
+    assert adam.ratio_bound(0.9, 0.95, 1) == pytest.approx(1.0, rel=1e-12)
+    assert adam.ratio_bound(0.9, 0.95) == pytest.approx(0.1 / np.sqrt(0.05 * (1 - 0.81 / 0.95)))
+    assert adam.ratio_bound(0.99, 0.95) == np.inf
+    assert adam.ratio_bound(0.99, 0.95, 2000) > 1e9  # finite for each t, growing
+
+
+def _np_stop_after(b1, b2, on=100, steps=1600):
+    return _np_safe_adam([np.ones(1)] * on + [np.zeros(1)] * (steps - on), b1, b2)
+
+
+@pytest.mark.parametrize(
+    "factory",
+    [
+        adam.scale_by_safe_adam,
+        lambda **k: adam.safe_adam(1e-3, **k),
+        lambda **k: adam.safe_adamw(1e-3, **k),
+    ],
+    ids=["scale_by_safe_adam", "safe_adam", "safe_adamw"],
+)
+@pytest.mark.parametrize("b1,b2", [(0.99, 0.95), (0.9, 0.81), (0.5, 0.0)])
+def test_eps_zero_with_b1_squared_at_least_b2_is_rejected(factory, b1, b2):
+    with pytest.raises(ValueError) as err:
+        factory(b1=b1, b2=b2)
+    msg = str(err.value)
+    assert "`b2` must be > b1**2" in msg and "no bound" in msg and "eps > 0" in msg, msg
+    factory(b1=b1, b2=b2, eps=1e-8)  # a positive eps bounds the denominator
+    factory(b1=b1, b2=b2, eps_root=1e-16)
+
+
+def test_the_rejected_case_really_diverges_in_float64():
+    # Why the rule: b = (0.99, 0.95) at eps = 0 passes 1e9 after the gradient stops,
+    # while b = (0.9, 0.95) stays under its bound.
+    assert max(abs(u[0]) for u in _np_stop_after(0.99, 0.95)) > 1e9
+    assert max(abs(u[0]) for u in _np_stop_after(0.9, 0.95)) <= adam.ratio_bound(0.9, 0.95)
+
+
+@pytest.mark.parametrize(
+    "name,want", [("safe_adam", 1.0), ("adam_atan2", 1.27 * np.pi / 4)], ids=str
+)
+def test_float16_constant_tiny_gradient_gives_the_full_update(name, want):
+    # A constant gradient g gives m_hat / sqrt(v_hat) = 1 (atan2: a * pi/4) at any scale.
+    # With a float16 first moment, (1 - b1) * 1e-7 flushes to 0 and the update was 0.11.
+    g = jnp.full((3,), 1e-7, jnp.float16)
+    got, state = _run(TRANSFORMS[name], [g] * 10)
+    assert {x.dtype for x in _leaves((state.mu, state.nu))} == {jnp.dtype(jnp.float32)}
+    assert got[-1].dtype == jnp.float16
+    np.testing.assert_allclose(np.asarray(got[-1], np.float32), want, rtol=1e-3)
+    factory = {"safe_adam": adam.scale_by_safe_adam, "adam_atan2": adam.scale_by_adam_atan2}
+    old, _ = _run(factory[name](mu_dtype=jnp.float16), [g] * 10)  # the failure it fixes
+    assert np.all(np.asarray(old[-1], np.float32) < 0.5 * want)

@@ -15,6 +15,7 @@ BENCHES = {
     "controller": ("steps_per_s", "ratios", "targets", "n_params"),
     "rollback": ("seconds", "checkpoint_bytes", "ratios", "targets", "n_params"),
     "detectors": ("slow_false_alarms", "slow_delay", "spike", "real_curves", "ratios", "targets"),
+    "generic_step": ("per_step", "ratios", "targets", "n_params", "hlo_identical"),
 }
 RATIOS = {
     "optimizer_update": (
@@ -40,9 +41,15 @@ RATIOS = {
         "spike_5x_caught_student_t3",
         "spike_5x_caught_lognormal",
     ),
+    "generic_step": (
+        "wall_generic/legacy",
+        "wall_generic/legacy (plain-opt)",
+        "bytes_generic/legacy",
+        "bytes_generic/legacy (plain-opt)",
+    ),
 }
-# The two that compile a whole train step several times take tens of seconds.
-SLOW = {"train_step", "controller"}
+# Those that compile a whole train step several times take tens of seconds.
+SLOW = {"train_step", "controller", "generic_step"}  # generic_step: see the test below
 
 
 @pytest.mark.parametrize(
@@ -81,3 +88,13 @@ def test_optimizer_update_compares_all_three_under_both_compile_modes(tmp_path):
     assert per["default"]["A"]["bytes"] == per["cpu_options"]["A"]["bytes"]
     saved = per["default"]["B"]["bytes"] - per["cpu_options"]["B"]["bytes"]
     assert saved == pytest.approx(4 * 4 * n, abs=256)  # (and a few scalar copies)
+
+
+def test_generic_step_compiles_to_the_legacy_lm_program(tmp_path):
+    # Not a timing: the generic step (lm_loss + make_train_step) is the same XLA program
+    # as the language-model step it replaced, so it cannot cost more.
+    mod = importlib.import_module("experiments.bench.generic_step")
+    results = mod.main(["--quick", "--out", str(tmp_path), "--no-progress"])
+    assert results["hlo_identical"] == {"guarded": True, "plain-opt": True}
+    assert results["ratios"]["bytes_generic/legacy"] == 1.0
+    assert results["ratios"]["bytes_generic/legacy (plain-opt)"] == 1.0

@@ -583,6 +583,10 @@ def test_sharded_over_8_devices_equals_unsharded(name):
         (clip_by_zscore, dict(ema_decay=1.0), "ema_decay"),
         (clip_by_zscore, dict(ema_decay=1.5), "ema_decay"),
         (clip_by_zscore, dict(warmup_steps=-1), "warmup_steps"),
+        (clip_by_zscore, dict(warmup_steps=2.5), "warmup_steps"),
+        (clip_by_zscore, dict(warmup_steps=4.0), "warmup_steps"),
+        (clip_by_zscore, dict(warmup_steps=jnp.asarray(2.5)), "warmup_steps"),
+        (clip_by_zscore, dict(z_threshold=float("inf") * 0), "z_threshold"),
         (clip_by_zscore, dict(max_norm=0.0), "max_norm"),
         (clip_by_zscore, dict(max_norm=-2.0), "max_norm"),
         (clip_by_percentile, dict(percentile=0.0), "percentile"),
@@ -599,8 +603,18 @@ def test_sharded_over_8_devices_equals_unsharded(name):
     ],
 )
 def test_bad_hyperparameters_raise_naming_the_argument(factory, kwargs, name):
-    with pytest.raises(ValueError, match=rf"^{name} must be"):
+    with pytest.raises(ValueError, match=rf"^clip_\w+: `{name}` must be"):
         factory(**kwargs)
+
+
+def test_injected_float_warmup_is_accepted_when_integral():
+    # inject_hyperparams hands warmup_steps in as a float32 array with hyperparam_dtype.
+    seq = _some_clips_seq()
+    kwargs = dict(z_threshold=2.0, ema_decay=0.9, warmup_steps=4)
+    injected = optax.inject_hyperparams(clip_by_zscore, hyperparam_dtype=jnp.float32)(**kwargs)
+    outs_i, _, _ = _run(injected, seq)
+    outs, _, _ = _run(clip_by_zscore(**kwargs), seq)
+    chex.assert_trees_all_close(outs_i, outs, rtol=1e-6)
 
 
 def test_history_must_be_a_static_int():

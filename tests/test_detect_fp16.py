@@ -17,7 +17,7 @@ import numpy as np
 import optax
 import pytest
 
-from stabljax import Precision, TrainState, make_train_step
+from stabljax import Precision, TrainState, lm_loss, make_train_step
 from stabljax.control import (
     DivergenceDetector,
     IndexedBatches,
@@ -62,13 +62,13 @@ def fp16(**kw):
 @functools.cache
 def fp16_step(initial_scale: float, min_scale: float):
     return make_train_step(
-        apply_fn, SGD, precision=fp16(initial_scale=initial_scale, min_scale=min_scale)
+        lm_loss(apply_fn), SGD, precision=fp16(initial_scale=initial_scale, min_scale=min_scale)
     )
 
 
 @functools.cache
 def guarded_step():
-    return make_train_step(apply_fn, GUARD)
+    return make_train_step(lm_loss(apply_fn), GUARD)
 
 
 def fp16_state(initial_scale: float, min_scale: float = 1.0):

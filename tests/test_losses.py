@@ -200,7 +200,7 @@ def test_all_false_mask_gives_zero_not_nan():
 @pytest.mark.parametrize("c", [-1e-4, float("nan")])
 def test_negative_weight_raises(c):
     logits, labels, _ = random_case()
-    with pytest.raises(ValueError, match="z_loss must be >= 0"):
+    with pytest.raises(ValueError, match="`z_loss` must be >= 0"):
         cross_entropy_with_z_loss(logits, labels, z_loss=c)
 
 

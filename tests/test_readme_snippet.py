@@ -13,6 +13,14 @@ from flax import nnx
 from stabljax.nn import TransformerLM
 
 LOOP = pathlib.Path(__file__).with_name("readme_loop.py")
+README = pathlib.Path(__file__).resolve().parents[1] / "README.md"
+
+
+def test_readme_shows_the_loop_verbatim():
+    text = README.read_text()
+    section = text[text.index("## The whole loop") :]
+    block = section[section.index("```python\n") + len("```python\n") :]
+    assert block[: block.index("```")] == LOOP.read_text()
 
 
 def test_readme_loop_trains_the_reference_model(capsys):

@@ -22,6 +22,7 @@ from stabljax.optim.guards import skip_nonfinite, skip_spikes
 from stabljax.precision import DynamicLossScale, Precision
 from stabljax.step import (
     TrainState,
+    lm_loss,
     make_train_step,
     nnx_apply,
     nnx_merge,
@@ -141,13 +142,13 @@ TRACED_APPLY = chex.assert_max_traces(poisonable_apply, n=1)
 @functools.cache
 def sgd_step():
     """Unguarded SGD (lr 0.5) that records the loss it is given."""
-    return make_train_step(poisonable_apply, SGD, z_loss=1e-4)
+    return make_train_step(lm_loss(poisonable_apply, z_loss=1e-4), SGD)
 
 
 @functools.cache
 def guarded_step():
     """Clipped AdamW inside skip_spikes inside skip_nonfinite, with layer metrics."""
-    return make_train_step(TRACED_APPLY, GUARDED, layer_metrics=True)
+    return make_train_step(lm_loss(TRACED_APPLY), GUARDED, layer_metrics=True)
 
 
 ADAM = optax.adam(1e-2)
@@ -156,12 +157,12 @@ ADAM = optax.adam(1e-2)
 @functools.cache
 def sharding_step():
     """Plain Adam for the sharding tests (a new sharding is a new trace and compile)."""
-    return make_train_step(tiny_apply, ADAM)
+    return make_train_step(lm_loss(tiny_apply), ADAM)
 
 
 @functools.cache
 def fp16_step():
-    return make_train_step(poisonable_apply, FP16_OPT, precision=FP16)
+    return make_train_step(lm_loss(poisonable_apply), FP16_OPT, precision=FP16)
 
 
 # --------------------------------------------------------------------------- the contract
@@ -303,11 +304,11 @@ def test_mismatched_precision_raises():
 
 def test_bad_arguments_raise():
     with pytest.raises(ValueError, match="z_loss"):
-        make_train_step(tiny_apply, optax.sgd(0.1), z_loss=-1.0)
+        lm_loss(tiny_apply, z_loss=-1.0)
     with pytest.raises(ValueError, match="precision"):
-        make_train_step(tiny_apply, optax.sgd(0.1), precision="bf16")
+        make_train_step(lm_loss(tiny_apply), optax.sgd(0.1), precision="bf16")
     with pytest.raises(ValueError, match="compiler_options must be None or a mapping.*got str"):
-        make_train_step(tiny_apply, optax.sgd(0.1), compiler_options="fast")
+        make_train_step(lm_loss(tiny_apply), optax.sgd(0.1), compiler_options="fast")
 
 
 def _state_sized_copies(step, state) -> int:
@@ -324,9 +325,9 @@ def test_cpu_compiler_options_remove_the_state_copies_and_change_no_result():
     """XLA:CPU's default copy insertion copies the guarded update's donated moments."""
     assert jax.default_backend() == "cpu"
     auto = make_train_step(
-        poisonable_apply, GUARDED, compiler_options=recommended_compiler_options("cpu")
+        lm_loss(poisonable_apply), GUARDED, compiler_options=recommended_compiler_options("cpu")
     )
-    plain = make_train_step(poisonable_apply, GUARDED)
+    plain = make_train_step(lm_loss(poisonable_apply), GUARDED)
     s_auto = TrainState.create(tiny_params(), GUARDED)
     s_plain = TrainState.create(tiny_params(), GUARDED)
     assert _state_sized_copies(plain, s_plain) > 0  # the control: XLA's default copies
@@ -363,7 +364,7 @@ def test_create_is_safe_to_donate():
     opt = shared_zeros_optimizer()
     w = jnp.ones((4, V))
     params = {"a": w, "b": w}  # tied weights: the same buffer twice
-    step = make_train_step(tied_apply, opt)  # donate=True by default
+    step = make_train_step(lm_loss(tied_apply), opt)  # donate=True by default
     state = TrainState.create(params, opt)
     new, _ = step(state, batch(0))
     assert state.params["a"].is_deleted()  # donated
@@ -378,7 +379,7 @@ def test_create_is_safe_to_donate():
 @pytest.mark.parametrize("donate", [True, False])
 def test_donate_flag_donates_the_state_only(donate):
     state = TrainState.create(tiny_params(), SGD)
-    step = make_train_step(poisonable_apply, SGD, donate=donate)
+    step = make_train_step(lm_loss(poisonable_apply), SGD, donate=donate)
     (state_info, batch_info), _ = step.lower(state, batch(0)).args_info  # lowered, not compiled
     assert {a.donated for a in jax.tree.leaves(state_info)} == {donate}
     assert {a.donated for a in jax.tree.leaves(batch_info)} == {False}
@@ -393,7 +394,7 @@ def test_no_recompile_across_steps():
         state, _ = step(state, batch(i, SPIKE_TOKEN if i == 2 else None))
     assert step._cache_size() == size
     traced = chex.assert_max_traces(tiny_apply, n=1)
-    step = make_train_step(traced, SGD)  # the control: a changed shape does retrace
+    step = make_train_step(lm_loss(traced), SGD)  # the control: a changed shape does retrace
     state = TrainState.create(tiny_params(), SGD)
     step.trace(state, batch(0))  # trace without compiling
     with pytest.raises(AssertionError, match="traced"):
@@ -424,7 +425,7 @@ def host_primitives(names: set[str]) -> set[str]:
 
 def step_primitives(apply_fn, opt, precision=None):
     precision = precision or Precision.fp32()
-    step = make_train_step(apply_fn, opt, precision=precision, layer_metrics=True)
+    step = make_train_step(lm_loss(apply_fn), opt, precision=precision, layer_metrics=True)
     state = TrainState.create(tiny_params(), opt, precision)
     return primitive_names(jax.make_jaxpr(step)(state, batch(0)).jaxpr)
 
@@ -535,7 +536,7 @@ def test_nnx_module_trains_in_bf16_and_merges_back():
     apply_fn, params = nnx_apply(model)
     opt = optax.adam(3e-2)
     prec = Precision.bf16()
-    step = make_train_step(apply_fn, opt, precision=prec, layer_metrics=True)
+    step = make_train_step(lm_loss(apply_fn), opt, precision=prec, layer_metrics=True)
     state = TrainState.create(jax.tree.map(lambda x: x.astype(jnp.bfloat16), params), opt, prec)
     masters = jax.tree.leaves((state.params, state.opt_state[0].mu, state.opt_state[0].nu))
     assert all(x.dtype == jnp.float32 for x in masters)  # cast back to param_dtype
@@ -586,7 +587,7 @@ def test_linen_module_apply_trains():
     module = LinenLM()
     variables = module.init(jax.random.key(0), batch(0)["inputs"])
     opt = optax.adam(3e-2)
-    step = make_train_step(module.apply, opt)
+    step = make_train_step(lm_loss(module.apply), opt)
     state = TrainState.create(variables, opt)
     losses = []
     for i in range(15):

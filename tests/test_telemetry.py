@@ -163,7 +163,7 @@ def test_report_on_safe_adam_state_inside_guards_and_chains():
         )[0]
         if isinstance(s, ScaleBySafeAdamState)
     ]
-    adam_state = adam_state._replace(safe_adam_count=jnp.int32(7), safe_adam_nu=nu)
+    adam_state = adam_state._replace(count=jnp.int32(7), nu=nu)
     state = _replace_at(state, path, adam_state)
     assert adam_eps_report(state, 1e-3) == expected
 

@@ -77,7 +77,7 @@ def run(cfg: Config) -> tuple[list[dict], dict]:
     model, _ = build_model(setup)
     apply_fn, params = stabljax.nnx_apply(model)
     opt = adamw(setup)
-    step = stabljax.make_train_step(apply_fn, opt)
+    step = stabljax.make_train_step(stabljax.lm_loss(apply_fn), opt)
     host_batch = corpus_batches(setup)
     batches = [jax.tree.map(jax.numpy.asarray, host_batch(i)) for i in range(cfg.steps)]
 

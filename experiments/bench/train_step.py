@@ -143,7 +143,9 @@ def _tpu_steps(cfg: Config) -> dict:
 
     def guarded(apply_fn):
         opt = _guarded_opt(cfg.lr)
-        step = stabljax.make_train_step(apply_fn, opt, z_loss=cfg.z_loss, precision=precision)
+        step = stabljax.make_train_step(
+            stabljax.lm_loss(apply_fn, z_loss=cfg.z_loss), opt, precision=precision
+        )
 
         def args(params, rule, batch):
             mesh = batch["inputs"].sharding.mesh
@@ -263,9 +265,8 @@ def run(cfg: Config) -> tuple[list[dict], dict]:
         opt = make_opt()
         state = stabljax.TrainState.create(jax.tree.map(jax.numpy.copy, params0), opt)
         step = stabljax.make_train_step(
-            apply_fn,
+            stabljax.lm_loss(apply_fn, z_loss=cfg.z_loss),
             opt,
-            z_loss=cfg.z_loss,
             layer_metrics=layers,
             compiler_options=compiler_options,
         )

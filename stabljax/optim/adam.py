@@ -1,9 +1,15 @@
 """Adam variants that never divide 0 by 0: safe Adam (eps = 0 allowed) and Adam-atan2.
 
-Both keep the second moment in float32 (or wider) whatever the leaf dtype and form
-the update ratio in float32, so float16 and bfloat16 leaves neither underflow ``nu``
-nor flush a tiny ``eps`` to zero. Updates are cast back to the dtype of the incoming
-gradients.
+Both keep the second moment in float32 (or wider) whatever the leaf dtype, the first
+moment in float32 for float16 (and integer) leaves, and form the update ratio in
+float32, so float16 and bfloat16 leaves neither underflow a moment nor flush a tiny
+``eps`` to zero. Updates are cast back to the dtype of the incoming gradients; integer
+gradients get float32 updates, as with :func:`optax.adam`.
+
+Inputs are checked: hyperparameters when the transform is built (a negative or NaN
+learning rate, a decay outside [0, 1), ...), and gradients when it is traced (a
+gradient whose shape differs from its parameter's raises instead of broadcasting into
+the moments).
 """
 
 from __future__ import annotations
@@ -17,10 +23,13 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from stabljax.optim._base import validate
+
 __all__ = [
     "ScaleByAdamAtan2State",
     "ScaleBySafeAdamState",
     "adamw_atan2",
+    "ratio_bound",
     "safe_adam",
     "safe_adamw",
     "scale_by_adam_atan2",
@@ -31,64 +40,181 @@ __all__ = [
 class ScaleBySafeAdamState(NamedTuple):
     """State of :func:`scale_by_safe_adam`."""
 
-    safe_adam_count: jax.Array  # shape=(), int32
-    safe_adam_mu: optax.Updates  # like params, dtype mu_dtype or the param dtype
-    safe_adam_nu: optax.Updates  # like params, float32 (float64 for float64 params)
+    count: jax.Array  # shape=(), int32
+    mu: optax.Updates  # like params, dtype mu_dtype or the param dtype
+    nu: optax.Updates  # like params, float32 (float64 for float64 params)
 
 
 class ScaleByAdamAtan2State(NamedTuple):
     """State of :func:`scale_by_adam_atan2`."""
 
-    atan2_count: jax.Array  # shape=(), int32
-    atan2_mu: optax.Updates  # like params, dtype mu_dtype or the param dtype
-    atan2_nu: optax.Updates  # like params, float32 (float64 for float64 params)
+    count: jax.Array  # shape=(), int32
+    mu: optax.Updates  # like params, dtype mu_dtype or the param dtype
+    nu: optax.Updates  # like params, float32 (float64 for float64 params)
 
 
 # ----------------------------------------------------------------------------- validation
 
 
-def _concrete(value: Any) -> np.ndarray | None:
-    """The value as a numpy array, or None when it is a tracer or a schedule.
+def _check_decay(owner: str, name: str, value: Any) -> None:
+    validate(owner, name, value, lambda x: (x >= 0) & (x < 1), "in [0, 1)")
 
-    ``optax.inject_hyperparams`` rebuilds the transform inside the jitted update with
-    traced hyperparameters; those were validated when the transform was first built.
-    """
-    if value is None or callable(value):
+
+def _check_nonnegative(owner: str, name: str, value: Any) -> None:
+    validate(owner, name, value, lambda x: x >= 0, ">= 0")
+
+
+def _check_positive(owner: str, name: str, value: Any) -> None:
+    validate(owner, name, value, lambda x: x > 0, "> 0")
+
+
+def _check_adam(owner: str, b1: Any, b2: Any, eps: Any, eps_root: Any) -> None:
+    _check_decay(owner, "b1", b1)
+    _check_decay(owner, "b2", b2)
+    _check_nonnegative(owner, "eps", eps)
+    _check_nonnegative(owner, "eps_root", eps_root)
+    values = [_concrete_float(x) for x in (b1, b2, eps, eps_root)]
+    if any(v is None for v in values):
+        return  # traced (inject_hyperparams): checked when first built
+    fb1, fb2, feps, feps_root = values
+    if feps == 0 and feps_root == 0 and fb1 > 0 and fb1 * fb1 >= fb2:
+        raise ValueError(
+            f"{owner}: `b2` must be > b1**2 = {fb1 * fb1:.6g} when eps = eps_root = 0; got "
+            f"{b2!r}. With b1**2 >= b2 the update m_hat / sqrt(v_hat) has no bound: after "
+            f"a gradient stops it grows like (b1 / sqrt(b2))**t. Raise b2 (e.g. 0.999), "
+            "lower b1, or set eps > 0."
+        )
+
+
+def _concrete_float(value: Any) -> float | None:
+    if callable(value):
         return None
     try:
-        return np.asarray(value)
-    except (jax.errors.TracerArrayConversionError, jax.errors.ConcretizationTypeError):
+        return float(np.asarray(value))
+    except (TypeError, ValueError, jax.errors.ConcretizationTypeError):
+        return None
+    except jax.errors.TracerArrayConversionError:
         return None
 
 
-def _check(name: str, value: Any, ok: Callable[[np.ndarray], np.ndarray], allowed: str) -> None:
-    arr = _concrete(value)
-    if arr is not None and not np.all(ok(arr)):
-        raise ValueError(f"`{name}` must be {allowed}, got {value!r}.")
+def ratio_bound(b1: float, b2: float, t: int | None = None, *, nesterov: bool = False) -> float:
+    r"""The largest :math:`|\hat m_t / \sqrt{\hat v_t}|` safe Adam can produce, any gradients.
+
+    By Cauchy–Schwarz, with :math:`r = \beta_1^2 / \beta_2`,
+
+    .. math::
+
+      |m_t| \le (1-\beta_1) \sum_{j<t} \beta_1^j |g_{t-j}|
+            \le (1-\beta_1) \Big(\sum_{j<t} r^j\Big)^{1/2}
+                 \Big(\sum_{j<t} \beta_2^j g_{t-j}^2\Big)^{1/2}
+            = (1-\beta_1) \sqrt{\tfrac{1 - r^t}{1 - r}} \sqrt{\tfrac{v_t}{1-\beta_2}},
+
+    so, after the bias corrections,
+
+    .. math::
+
+      \Big|\frac{\hat m_t}{\sqrt{\hat v_t}}\Big| \le B_t =
+      \frac{1-\beta_1}{1-\beta_1^t} \sqrt{\frac{1-\beta_2^t}{1-\beta_2}}
+      \sqrt{\frac{1-r^t}{1-r}}
+      \;\xrightarrow{t\to\infty}\; \frac{1-\beta_1}{\sqrt{(1-\beta_2)(1-r)}}
+      \quad (r < 1).
+
+    The bound is attained (equality in Cauchy–Schwarz) by gradients growing as
+    :math:`|g_k| \propto (\beta_2/\beta_1)^k`. For :math:`r < 1` it is uniform in
+    :math:`t`, so safe Adam at ``eps = 0`` is bounded whatever the gradients; for
+    :math:`r \ge 1` (and :math:`\beta_1 > 0`) it grows without limit, which is why
+    :func:`scale_by_safe_adam` rejects :math:`\beta_1^2 \ge \beta_2` at ``eps =
+    eps_root = 0``. ``eps > 0`` only lowers the ratio. With ``nesterov=True``,
+    :math:`\hat m_t = \beta_1 m_t/(1-\beta_1^{t+1}) + (1-\beta_1) g_t/(1-\beta_1^t)`
+    and :math:`|g_t| \le \sqrt{v_t/(1-\beta_2)}` give the sum of the two terms' bounds
+    at step :math:`t`, and :math:`\beta_1 B_\infty + 1/\sqrt{1-\beta_2}` over all steps
+    (a valid bound, not attained). Every :math:`B_t \le B_\infty` (AM–GM).
+
+    Args:
+      b1: :math:`\beta_1`, in [0, 1).
+      b2: :math:`\beta_2`, in [0, 1), with :math:`\beta_1^2 < \beta_2` if ``t`` is None.
+      t: the step (from 1); None for the limit :math:`t \to \infty`.
+      nesterov: the bound of the Nesterov (NAdam) update.
+
+    Returns:
+      :math:`B_t` (a float; ``inf`` for ``t=None`` when :math:`r \ge 1`).
+
+    Example:
+      >>> from stabljax.optim.adam import ratio_bound
+      >>> ratio_bound(0.9, 0.999, t=1), round(ratio_bound(0.9, 0.999), 3)
+      (1.0, 7.27)
+      >>> round(ratio_bound(0.9, 0.95), 3), ratio_bound(0.99, 0.95)
+      (1.165, inf)
+    """
+    r = 0.0 if b1 == 0 else b1 * b1 / b2
+    if t is None:
+        if r >= 1:
+            return float("inf")
+        # B_t <= B_inf for every t: B_t^2 / B_inf^2 = (1 - x)(1 - y) / (1 - sqrt(xy))^2 with
+        # x = b2^t, y = r^t, and (1 - x)(1 - y) <= (1 - sqrt(xy))^2 is AM-GM.
+        limit = (1.0 - b1) / np.sqrt((1.0 - b2) * (1.0 - r))
+        if nesterov:  # each term's sup: b1 B_inf (m_t <= (1 - b1^t) B_inf), 1/sqrt(1 - b2)
+            return float(b1 * limit + 1.0 / np.sqrt(1.0 - b2))
+        return float(limit)
+    s = float(t) if r == 1 else (1.0 - r**t) / (1.0 - r)
+    g_bound = np.sqrt((1.0 - b2**t) / (1.0 - b2))  # |g_t| / sqrt(v_hat_t)
+    m_bound = (1.0 - b1) * np.sqrt(s) * g_bound  # |m_t| / sqrt(v_hat_t)
+    if nesterov:
+        return float(b1 * m_bound / (1.0 - b1 ** (t + 1)) + (1.0 - b1) * g_bound / (1.0 - b1**t))
+    return float(m_bound / (1.0 - b1**t))
 
 
-def _check_decay(name: str, value: Any) -> None:
-    _check(name, value, lambda x: (x >= 0) & (x < 1), "in [0, 1)")
+def _check_atan2(owner: str, b1: Any, b2: Any, a: Any, b: Any) -> None:
+    _check_decay(owner, "b1", b1)
+    _check_decay(owner, "b2", b2)
+    _check_positive(owner, "a", a)
+    _check_positive(owner, "b", b)
 
 
-def _check_nonnegative(name: str, value: Any) -> None:
-    _check(name, value, lambda x: x >= 0, ">= 0")
-
-
-def _check_positive(name: str, value: Any) -> None:
-    _check(name, value, lambda x: x > 0, "> 0")
+def _check_learning_rate(owner: str, value: Any) -> None:
+    # A negative (or NaN) rate would silently ascend; a schedule is the schedule's business.
+    validate(
+        owner,
+        "learning_rate",
+        value,
+        lambda x: np.isfinite(x) & (x >= 0),
+        "a finite number >= 0 or a schedule (to maximise, negate the loss)",
+    )
 
 
 # ----------------------------------------------------------------------------- moments
 
 
 def _compute_dtype(dtype) -> jnp.dtype:
-    # float16/bfloat16 -> float32; float32, float64 and complex kept.
+    # float16/bfloat16 -> float32; float32, float64 and complex kept; integer (and bool)
+    # gradients -> float32, as in optax (whose moments promote them to float).
+    if not jnp.issubdtype(dtype, jnp.inexact):
+        return jnp.dtype(jnp.float32)
     return jnp.promote_types(dtype, jnp.float32)
 
 
 def _nu_dtype(dtype) -> jnp.dtype:
     return jnp.finfo(_compute_dtype(dtype)).dtype  # real part of the compute dtype
+
+
+def _mu_dtype(dtype, mu_dtype) -> jnp.dtype:
+    """The first moment's dtype: ``mu_dtype`` if given, else the param dtype, widened.
+
+    A float16 first moment underflows as the second would ((1 - b1) g flushes to 0 for
+    |g| below about 6e-7 with b1 = 0.9), and an integer one truncates to 0, so both are
+    kept in float32. bfloat16 has float32's exponent range and stays bfloat16, as optax
+    keeps it.
+    """
+    if mu_dtype is not None:
+        return mu_dtype
+    if dtype == jnp.float16 or not jnp.issubdtype(dtype, jnp.inexact):
+        return _compute_dtype(dtype)
+    return jnp.dtype(dtype)
+
+
+def _update_dtype(g_dtype) -> jnp.dtype:
+    # Updates keep the gradient dtype; integer gradients get a float update, as optax's.
+    return g_dtype if jnp.issubdtype(g_dtype, jnp.inexact) else _compute_dtype(g_dtype)
 
 
 def _abs_sq(x: jax.Array) -> jax.Array:
@@ -98,13 +224,32 @@ def _abs_sq(x: jax.Array) -> jax.Array:
 
 
 def _init_moments(params, mu_dtype):
-    mu = optax.tree.zeros_like(params, dtype=mu_dtype)
+    mu = jax.tree.map(
+        lambda p: jnp.zeros_like(p, dtype=_mu_dtype(jnp.result_type(p), mu_dtype)), params
+    )
     nu = jax.tree.map(lambda p: jnp.zeros_like(p, dtype=_nu_dtype(jnp.result_type(p))), params)
     return mu, nu
 
 
 def _is_none(x) -> bool:
     return x is None
+
+
+def _check_shapes(owner: str, updates, nu) -> None:
+    """Gradients must have their parameter's shape: broadcasting would reshape the moments."""
+    g_leaves = jax.tree_util.tree_flatten_with_path(updates, is_leaf=_is_none)[0]
+    v_leaves = jax.tree.leaves(nu, is_leaf=_is_none)
+    if len(g_leaves) != len(v_leaves):
+        return  # a structure mismatch: jax.tree.map raises its own error below
+    for (path, g), v in zip(g_leaves, v_leaves, strict=True):
+        if g is None or v is None:
+            continue
+        if jnp.shape(g) != jnp.shape(v):
+            raise ValueError(
+                f"{owner}: the gradient at {jax.tree_util.keystr(path) or 'the root'} has "
+                f"shape {jnp.shape(g)}, but the optimizer state (initialised from the params) "
+                f"has shape {jnp.shape(v)}; pass gradients shaped like the params."
+            )
 
 
 @functools.partial(jax.jit, inline=True)
@@ -124,7 +269,7 @@ def _update_moments(updates, mu, nu, count_inc, b1, b2, nesterov: bool):
     def new_mu(g, m):
         if g is None:
             return None
-        dt = _compute_dtype(g.dtype)
+        dt = jnp.promote_types(_compute_dtype(g.dtype), m.dtype)
         return (1 - b1) * g.astype(dt) + b1 * m.astype(dt)
 
     def new_nu(g, v):
@@ -214,18 +359,31 @@ def scale_by_safe_adam(
     :math:`(1-\beta_2) g^2` underflows for :math:`|g| \lesssim 10^{-3}`, and the coordinate
     would silently stop moving), and the ratio is formed in float32 and then cast back to
     the gradient dtype, so an ``eps`` such as 1e-15 keeps its value for every leaf dtype.
-    :math:`m_t` is stored in ``mu_dtype`` (default: the param dtype). With ``eps > 0`` and
+    :math:`m_t` is stored in ``mu_dtype``; by default in the param dtype, except float16
+    (and integer) leaves, where it is float32 too: a float16 :math:`(1-\beta_1) g` flushes
+    to 0 for :math:`|g| \lesssim 6 \cdot 10^{-7}`, and a constant gradient of 1e-7 would
+    give an update of 0.11 instead of 1. With ``eps > 0`` and
     float32 leaves the updates equal :func:`optax.scale_by_adam`'s. A gradient so small
     that :math:`(1-\beta_2) g^2` flushes to 0 in float32 (:math:`|g| \lesssim 3 \cdot
     10^{-18}` where subnormals are flushed, as on XLA:CPU) gives a zero update rather than
     optax's Inf.
+
+    Boundedness at ``eps = 0``: for :math:`\beta_1^2 < \beta_2` every coordinate of the
+    update satisfies :math:`|u_t| \le (1-\beta_1) / \sqrt{(1-\beta_2)(1-\beta_1^2/\beta_2)}`
+    whatever the gradients (proof and the per-step bound in :func:`ratio_bound`; 7.27 at
+    the defaults, 1.17 for :math:`\beta = (0.9, 0.95)`). For :math:`\beta_1^2 \ge
+    \beta_2` there is no bound: after a gradient stops, :math:`\hat m/\sqrt{\hat v}`
+    grows like :math:`(\beta_1/\sqrt{\beta_2})^t` (past 1e9 some 1,400 steps after it stops, for
+    :math:`\beta = (0.99, 0.95)`), so that combination is rejected unless ``eps`` or
+    ``eps_root`` is positive (then the denominator is at least that).
 
     Args:
       b1: Decay rate of the first moment, in [0, 1).
       b2: Decay rate of the second moment, in [0, 1).
       eps: Added to the denominator outside the square root, >= 0.
       eps_root: Added to the second moment inside the square root, >= 0.
-      mu_dtype: Dtype of the first-moment accumulator; ``None`` uses the param dtype.
+      mu_dtype: Dtype of the first-moment accumulator; ``None`` uses the param dtype
+        (float32 for float16 and integer params).
       nesterov: Whether to use Nesterov momentum (NAdam).
 
     Returns:
@@ -233,7 +391,8 @@ def scale_by_safe_adam(
       :class:`ScaleBySafeAdamState`.
 
     Raises:
-      ValueError: If a hyperparameter is outside its allowed range.
+      ValueError: If a hyperparameter is outside its allowed range, or ``eps = eps_root =
+        0`` with :math:`\beta_1 > 0` and :math:`\beta_1^2 \ge \beta_2`.
 
     Example:
       >>> import jax.numpy as jnp
@@ -258,23 +417,19 @@ def scale_by_safe_adam(
       Dozat, `Incorporating Nesterov Momentum into Adam
       <https://openreview.net/pdf?id=OM0jvwB8jIp57ZJjtNEZ>`_, 2016
     """
-    _check_decay("b1", b1)
-    _check_decay("b2", b2)
-    _check_nonnegative("eps", eps)
-    _check_nonnegative("eps_root", eps_root)
+    _check_adam("scale_by_safe_adam", b1, b2, eps, eps_root)
     mu_dtype = None if mu_dtype is None else jax.dtypes.canonicalize_dtype(mu_dtype)
 
     def init_fn(params):
         mu, nu = _init_moments(params, mu_dtype)
-        return ScaleBySafeAdamState(
-            safe_adam_count=jnp.zeros([], jnp.int32), safe_adam_mu=mu, safe_adam_nu=nu
-        )
+        return ScaleBySafeAdamState(count=jnp.zeros([], jnp.int32), mu=mu, nu=nu)
 
     def update_fn(updates, state, params=None):
         del params
-        count_inc = optax.safe_increment(state.safe_adam_count)
+        _check_shapes("scale_by_safe_adam", updates, state.nu)
+        count_inc = optax.safe_increment(state.count)
         mu, nu, m_hat, v_hat = _update_moments(
-            updates, state.safe_adam_mu, state.safe_adam_nu, count_inc, b1, b2, nesterov
+            updates, state.mu, state.nu, count_inc, b1, b2, nesterov
         )
 
         def ratio(g, m, v):
@@ -284,13 +439,13 @@ def scale_by_safe_adam(
             zero = d == 0  # NaN compares unequal: a NaN denominator still gives NaN
             safe_d = jnp.where(zero, jnp.ones_like(d), d)
             u = jnp.where(zero, jnp.zeros_like(m), m / safe_d)
-            return _nan_where_nonfinite(u, v).astype(g.dtype)
+            return _nan_where_nonfinite(u, v).astype(_update_dtype(g.dtype))
 
         new_updates = jax.tree.map(ratio, updates, m_hat, v_hat, is_leaf=_is_none)
         return new_updates, ScaleBySafeAdamState(
-            safe_adam_count=count_inc,
-            safe_adam_mu=_store(mu, state.safe_adam_mu),
-            safe_adam_nu=_store(nu, state.safe_adam_nu),
+            count=count_inc,
+            mu=_store(mu, state.mu),
+            nu=_store(nu, state.nu),
         )
 
     return optax.GradientTransformation(init_fn, update_fn)
@@ -319,7 +474,8 @@ def safe_adam(
       b2: Decay rate of the second moment, in [0, 1).
       eps: Added to the denominator outside the square root, >= 0.
       eps_root: Added to the second moment inside the square root, >= 0.
-      mu_dtype: Dtype of the first-moment accumulator; ``None`` uses the param dtype.
+      mu_dtype: Dtype of the first-moment accumulator; ``None`` uses the param dtype
+        (float32 for float16 and integer params).
       nesterov: Whether to use Nesterov momentum (NAdam).
 
     Returns:
@@ -350,6 +506,8 @@ def safe_adam(
       Molybog et al., `A Theory on Adam Instability in Large-Scale Machine Learning
       <https://arxiv.org/abs/2304.09871>`_, 2023
     """
+    _check_learning_rate("safe_adam", learning_rate)
+    _check_adam("safe_adam", b1, b2, eps, eps_root)
     return optax.chain(
         scale_by_safe_adam(
             b1=b1, b2=b2, eps=eps, eps_root=eps_root, mu_dtype=mu_dtype, nesterov=nesterov
@@ -384,7 +542,8 @@ def safe_adamw(
       b2: Decay rate of the second moment, in [0, 1).
       eps: Added to the denominator outside the square root, >= 0.
       eps_root: Added to the second moment inside the square root, >= 0.
-      mu_dtype: Dtype of the first-moment accumulator; ``None`` uses the param dtype.
+      mu_dtype: Dtype of the first-moment accumulator; ``None`` uses the param dtype
+        (float32 for float16 and integer params).
       weight_decay: Decoupled weight decay, >= 0, multiplied by the learning rate.
       mask: A tree of booleans like (or a prefix of) the params, or a callable returning
         one: ``True`` where weight decay applies.
@@ -414,7 +573,9 @@ def safe_adamw(
       Molybog et al., `A Theory on Adam Instability in Large-Scale Machine Learning
       <https://arxiv.org/abs/2304.09871>`_, 2023
     """
-    _check_nonnegative("weight_decay", weight_decay)
+    _check_learning_rate("safe_adamw", learning_rate)
+    _check_adam("safe_adamw", b1, b2, eps, eps_root)
+    _check_nonnegative("safe_adamw", "weight_decay", weight_decay)
     return optax.chain(
         scale_by_safe_adam(
             b1=b1, b2=b2, eps=eps, eps_root=eps_root, mu_dtype=mu_dtype, nesterov=nesterov
@@ -463,7 +624,8 @@ def scale_by_adam_atan2(
       b2: Decay rate of the second moment, in [0, 1).
       a: Output scale, > 0; updates are bounded by :math:`a\pi/2`.
       b: Scale of :math:`\sqrt{\hat v}` inside atan2, > 0.
-      mu_dtype: Dtype of the first-moment accumulator; ``None`` uses the param dtype.
+      mu_dtype: Dtype of the first-moment accumulator; ``None`` uses the param dtype
+        (float32 for float16 and integer params).
 
     Returns:
       An :class:`optax.GradientTransformation` whose state is a
@@ -488,21 +650,19 @@ def scale_by_adam_atan2(
       Kingma et al., `Adam: A Method for Stochastic Optimization
       <https://arxiv.org/abs/1412.6980>`_, 2014
     """
-    _check_decay("b1", b1)
-    _check_decay("b2", b2)
-    _check_positive("a", a)
-    _check_positive("b", b)
+    _check_atan2("scale_by_adam_atan2", b1, b2, a, b)
     mu_dtype = None if mu_dtype is None else jax.dtypes.canonicalize_dtype(mu_dtype)
 
     def init_fn(params):
         mu, nu = _init_moments(params, mu_dtype)
-        return ScaleByAdamAtan2State(atan2_count=jnp.zeros([], jnp.int32), atan2_mu=mu, atan2_nu=nu)
+        return ScaleByAdamAtan2State(count=jnp.zeros([], jnp.int32), mu=mu, nu=nu)
 
     def update_fn(updates, state, params=None):
         del params
-        count_inc = optax.safe_increment(state.atan2_count)
+        _check_shapes("scale_by_adam_atan2", updates, state.nu)
+        count_inc = optax.safe_increment(state.count)
         mu, nu, m_hat, v_hat = _update_moments(
-            updates, state.atan2_mu, state.atan2_nu, count_inc, b1, b2, nesterov=False
+            updates, state.mu, state.nu, count_inc, b1, b2, nesterov=False
         )
 
         def atan2(g, m, v):
@@ -511,13 +671,13 @@ def scale_by_adam_atan2(
             if jnp.iscomplexobj(m):
                 raise TypeError(f"scale_by_adam_atan2 needs real gradients, got {g.dtype}.")
             u = a * jnp.arctan2(m, b * jnp.sqrt(v))
-            return _nan_where_nonfinite(u, v).astype(g.dtype)
+            return _nan_where_nonfinite(u, v).astype(_update_dtype(g.dtype))
 
         new_updates = jax.tree.map(atan2, updates, m_hat, v_hat, is_leaf=_is_none)
         return new_updates, ScaleByAdamAtan2State(
-            atan2_count=count_inc,
-            atan2_mu=_store(mu, state.atan2_mu),
-            atan2_nu=_store(nu, state.atan2_nu),
+            count=count_inc,
+            mu=_store(mu, state.mu),
+            nu=_store(nu, state.nu),
         )
 
     return optax.GradientTransformation(init_fn, update_fn)
@@ -551,7 +711,8 @@ def adamw_atan2(
       b2: Decay rate of the second moment, in [0, 1).
       a: Output scale, > 0; updates before decay are bounded by :math:`a\pi/2`.
       b: Scale of :math:`\sqrt{\hat v}` inside atan2, > 0.
-      mu_dtype: Dtype of the first-moment accumulator; ``None`` uses the param dtype.
+      mu_dtype: Dtype of the first-moment accumulator; ``None`` uses the param dtype
+        (float32 for float16 and integer params).
       weight_decay: Decoupled weight decay, >= 0, multiplied by the learning rate.
       mask: A tree of booleans like (or a prefix of) the params, or a callable returning
         one: ``True`` where weight decay applies.
@@ -584,7 +745,9 @@ def adamw_atan2(
       Loshchilov et al., `Decoupled Weight Decay Regularization
       <https://arxiv.org/abs/1711.05101>`_, 2019
     """
-    _check_nonnegative("weight_decay", weight_decay)
+    _check_learning_rate("adamw_atan2", learning_rate)
+    _check_atan2("adamw_atan2", b1, b2, a, b)
+    _check_nonnegative("adamw_atan2", "weight_decay", weight_decay)
     return optax.chain(
         scale_by_adam_atan2(b1=b1, b2=b2, a=a, b=b, mu_dtype=mu_dtype),
         optax.add_decayed_weights(weight_decay, mask),

@@ -16,9 +16,10 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 
-from stabljax.optim._base import all_finite, global_norm_f32
+from stabljax.optim._base import all_finite, global_norm_f32, is_nonneg_int, validate
 
 __all__ = [
     "ClipByAdagcState",
@@ -39,18 +40,8 @@ _ZCLIP_EPS = 1e-6
 # --------------------------------------------------------------------------- helpers
 
 
-def _concrete(value: Any) -> float | None:
-    """``float(value)``, or None when ``value`` is traced (inject_hyperparams under jit)."""
-    try:
-        return float(value)
-    except (TypeError, jax.errors.ConcretizationTypeError):
-        return None
-
-
-def _check(name: str, value: Any, ok, allowed: str) -> None:
-    v = _concrete(value)
-    if v is not None and not ok(v):
-        raise ValueError(f"{name} must be {allowed}, got {value!r}")
+def _is_integral(a: np.ndarray) -> bool:
+    return bool(a.ndim == 0 and a >= 0 and a == np.floor(a))
 
 
 def _rescale(tree, scale: jax.Array):
@@ -121,7 +112,8 @@ def clip_by_zscore(
       z_threshold: z-score above which a norm is clipped, > 0.
       ema_decay: :math:`\alpha` of the mean and variance EMAs, in (0, 1).
       warmup_steps: number of norms whose plain mean and variance start the
-        EMAs, >= 0.
+        EMAs, an integer >= 0 (under :func:`optax.inject_hyperparams`, an integral
+        array of any dtype).
       max_norm: optional absolute cap on the global norm, applied at every
         step (warmup included), > 0; ``None`` for no cap.
 
@@ -149,11 +141,17 @@ def clip_by_zscore(
       Kumar et al., `ZClip: Adaptive Spike Mitigation for LLM Pre-Training
       <https://arxiv.org/abs/2504.02507>`_, 2025
     """
-    _check("z_threshold", z_threshold, lambda v: v > 0, "> 0")
-    _check("ema_decay", ema_decay, lambda v: 0 < v < 1, "in the open interval (0, 1)")
-    _check("warmup_steps", warmup_steps, lambda v: v >= 0, ">= 0")
+    owner = "clip_by_zscore"
+    validate(owner, "z_threshold", z_threshold, lambda v: v > 0, "> 0")
+    validate(
+        owner, "ema_decay", ema_decay, lambda v: (0 < v) & (v < 1), "in the open interval (0, 1)"
+    )
+    # optax.inject_hyperparams hands numbers in as arrays of its hyperparam_dtype, which may
+    # be floating (4.0); a value given directly must be an integer, as skip_spikes wants.
+    integer = _is_integral if isinstance(warmup_steps, jax.Array) else is_nonneg_int
+    validate(owner, "warmup_steps", warmup_steps, integer, "a non-negative integer")
     if max_norm is not None:
-        _check("max_norm", max_norm, lambda v: v > 0, "> 0 or None")
+        validate(owner, "max_norm", max_norm, lambda v: v > 0, "> 0 or None")
 
     def init_fn(params):
         del params
@@ -290,16 +288,21 @@ def clip_by_percentile(
       Seetharaman et al., `AutoClip: Adaptive Gradient Clipping for Source
       Separation Networks <https://arxiv.org/abs/2007.14469>`_, 2020
     """
-    _check("percentile", percentile, lambda v: 0 < v <= 100, "in the interval (0, 100]")
+    validate(
+        "clip_by_percentile",
+        "percentile",
+        percentile,
+        lambda v: (0 < v) & (v <= 100),
+        "in the interval (0, 100]",
+    )
     try:
         history = operator.index(history)
     except TypeError as e:
         raise TypeError(
-            "history must be a static Python int; with optax.inject_hyperparams pass "
-            "static_args=('history',)"
+            f"clip_by_percentile: `history` must be a static Python int; got {history!r}. "
+            "With optax.inject_hyperparams pass static_args=('history',)."
         ) from e
-    if history < 1:
-        raise ValueError(f"history must be >= 1, got {history!r}")
+    validate("clip_by_percentile", "history", history, lambda v: v >= 1, ">= 1")
 
     def init_fn(params):
         del params
@@ -386,8 +389,8 @@ def clip_spikes_per_coordinate(
       Huang et al., `SPAM: Spike-Aware Adam with Momentum Reset for Stable LLM
       Training <https://arxiv.org/abs/2501.06842>`_, 2025
     """
-    _check("theta", theta, lambda v: v > 0, "> 0")
-    _check("b2", b2, lambda v: 0 <= v < 1, "in the interval [0, 1)")
+    validate("clip_spikes_per_coordinate", "theta", theta, lambda v: v > 0, "> 0")
+    validate("clip_spikes_per_coordinate", "b2", b2, lambda v: (0 <= v) & (v < 1), "in [0, 1)")
 
     def init_fn(params):
         return ClipSpikesPerCoordinateState(
@@ -480,8 +483,8 @@ def clip_by_adagc(lambda_rel: float = 1.05, beta: float = 0.98) -> optax.Gradien
       Wang et al., `AdaGC: Improving Training Stability for Large Language
       Model Pretraining <https://arxiv.org/abs/2502.11034>`_, 2025
     """
-    _check("lambda_rel", lambda_rel, lambda v: v > 0, "> 0")
-    _check("beta", beta, lambda v: 0 <= v < 1, "in the interval [0, 1)")
+    validate("clip_by_adagc", "lambda_rel", lambda_rel, lambda v: v > 0, "> 0")
+    validate("clip_by_adagc", "beta", beta, lambda v: (0 <= v) & (v < 1), "in [0, 1)")
 
     def init_fn(params):
         return ClipByAdagcState(

@@ -1,0 +1,167 @@
+"""Every README recipe runs verbatim, and does what its text says.
+
+The code is taken from README.md itself (the ```python block after each
+``<!-- recipe: name -->`` marker), so the README cannot drift from what is tested.
+"""
+
+from __future__ import annotations
+
+import functools
+import pathlib
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import stabljax
+
+README = pathlib.Path(__file__).resolve().parents[1] / "README.md"
+RECIPE = re.compile(r"<!-- recipe: (\w+) -->\n```python\n(.*?)```", re.S)
+
+
+@functools.cache
+def recipes() -> dict[str, str]:
+    return dict(RECIPE.findall(README.read_text()))
+
+
+def run(name: str) -> dict:
+    scope = {"__name__": f"readme_recipe_{name}"}
+    exec(compile(recipes()[name], f"README.md[{name}]", "exec"), scope)  # noqa: S102
+    return scope
+
+
+def host(tree):
+    """A host copy, safe from donation (keys as their raw data)."""
+
+    def copy(x):
+        if isinstance(x, jax.Array) and jnp.issubdtype(x.dtype, jax.dtypes.prng_key):
+            x = jax.random.key_data(x)
+        return np.array(x)
+
+    return jax.tree.map(copy, tree)
+
+
+def assert_bitwise_equal(a, b):
+    la, ta = jax.tree.flatten(host(a))
+    lb, tb = jax.tree.flatten(host(b))
+    assert ta == tb
+    for x, y in zip(la, lb, strict=True):
+        assert x.dtype == y.dtype and x.shape == y.shape and x.tobytes() == y.tobytes()
+
+
+def test_every_recipe_is_tested():
+    assert set(recipes()) == {"linen", "nnx_optimizer", "combinators", "batchnorm"}
+
+
+def test_linen_train_state_recipe(capsys):
+    scope = run("linen")
+    assert capsys.readouterr().out.splitlines()[0] == "skipped: True"
+    state = scope["state"]
+    assert float(scope["loss"]) < 0.05  # from about 15 at init
+    assert int(state.step) == 200
+    # the skipped step did not advance Adam: 199 of the 200 steps reached it
+    assert int(optax.tree_utils.tree_get(state.opt_state, "count")) == 199
+    assert all(np.isfinite(np.asarray(x)).all() for x in jax.tree.leaves(state.params))
+
+
+def test_nnx_optimizer_recipe(capsys):
+    scope = run("nnx_optimizer")
+    assert "skips 1" in capsys.readouterr().out
+    assert float(scope["loss"]) < 0.05
+    opt_state = scope["optimizer"].opt_state
+    assert int(optax.tree_utils.tree_get(opt_state, "count")[...]) == 199
+
+
+def _plateau_state(state):
+    return optax.tree_utils.tree_get(state.opt_state, "ReduceLROnPlateauState")
+
+
+def test_combinators_recipe(capsys):
+    scope = run("combinators")
+    out = capsys.readouterr().out.splitlines()
+    assert [line.split(":")[0] for line in out] == ["accumulate", "plateau"]
+    assert all(float(line.split()[-1]) < 0.1 for line in out), out
+    loss_fn, batch, nan_batch = scope["loss_fn"], scope["batch"], scope["nan_batch"]
+
+    # reduce_on_plateau inside the guard keeps its state bit for bit on a skipped step
+    step, state = scope["train_step"], scope["state"]  # the plateau arm ran last
+    before = host(_plateau_state(state))
+    state, m = step(state, nan_batch)
+    assert bool(m["skipped"])
+    assert_bitwise_equal(_plateau_state(state), before)
+    state, m = step(state, batch)
+    assert not bool(m["skipped"])
+    after = jax.tree.leaves(host(_plateau_state(state)))
+    moved = [not np.array_equal(a, b) for a, b in zip(after, jax.tree.leaves(before), strict=True)]
+    assert any(moved)  # a clean step does reach it
+    # the control: unguarded, the NaN loss goes into its statistics
+    bare = optax.chain(stabljax.safe_adamw(0.1), optax.contrib.reduce_on_plateau(patience=5))
+    bare_state = stabljax.TrainState.create({"w": jnp.zeros(4)}, bare)
+    bare_state, _ = stabljax.make_train_step(loss_fn, bare)(bare_state, nan_batch)
+    assert np.isnan(np.asarray(bare_state.params["w"])).all()
+    assert int(_plateau_state(bare_state).plateau_count) == 1  # the NaN counted as a plateau
+
+    # MultiSteps inside the guard: a NaN micro-batch is skipped, the accumulator kept
+    acc = scope["accumulate"]
+    step = stabljax.make_train_step(loss_fn, acc)
+    state = stabljax.TrainState.create({"w": jnp.zeros(4)}, acc)
+    state, _ = step(state, batch)
+    before = host(state.opt_state.inner_state)  # MultiSteps' accumulator and inner state
+    state, m = step(state, nan_batch)
+    assert bool(m["skipped"])
+    assert_bitwise_equal(state.opt_state.inner_state, before)
+    for _ in range(8):
+        state, m = step(state, batch)
+        assert not bool(m["skipped"])
+    # the control: a guard inside MultiSteps skips every later update, for good
+    inside = optax.MultiSteps(stabljax.skip_nonfinite(stabljax.safe_adamw(0.1)), 4)
+    step = stabljax.make_train_step(loss_fn, inside)
+    state = stabljax.TrainState.create({"w": jnp.zeros(4)}, inside)
+    state, _ = step(state, nan_batch)
+    for _ in range(11):
+        state, m = step(state, batch)
+    assert int(m["skip_streak"]) == 3  # the emits at steps 4, 8 and 12, all skipped
+    np.testing.assert_array_equal(np.asarray(state.params["w"]), 0.0)
+
+
+def _accuracy(model, test):
+    return float(jnp.mean(jnp.argmax(model(test["image"]), -1) == test["label"]))
+
+
+def test_batchnorm_recipe_survives_a_nan_batch(capsys):
+    scope = run("batchnorm")
+    assert capsys.readouterr().out.startswith("eval accuracy")
+    assert float(scope["accuracy"]) > 0.9
+    state, step, batch_fn = scope["state"], scope["train_step"], scope["batch_fn"]
+    bn = state.model_state["bn"]
+    stats = np.concatenate([np.asarray(bn["mean"][...]), np.asarray(bn["var"][...])])
+    assert np.isfinite(stats).all() and not np.all(stats[:32] == 0)  # they did move
+    bad = batch_fn(200)
+    bad["image"] = bad["image"].at[3, 7].set(jnp.nan)
+    kept = host(state)
+    ctrl_params = jax.tree.map(jnp.copy, state.params)  # before the step donates them
+    ctrl_model_state = jax.tree.map(jnp.copy, state.model_state)
+    new, m = step(state, bad)
+    assert bool(m["skipped"])
+    assert_bitwise_equal(new.model_state, kept.model_state)
+    assert_bitwise_equal(new.params, kept.params)
+    assert_bitwise_equal(new.rng, kept.rng)
+
+    # the control: the same NaN batch through an unguarded optimizer poisons BatchNorm
+    adam = optax.adam(3e-3)
+    bare = stabljax.TrainState.create(ctrl_params, adam, model_state=ctrl_model_state, rng=0)
+    bare, m = stabljax.make_train_step(scope["loss_fn"], adam)(bare, bad)
+    assert not bool(m["skipped"])
+    poisoned = stabljax.nnx_merge(scope["model"], bare.params, bare.model_state)
+    poisoned.eval()
+    assert np.isnan(np.asarray(bare.model_state["bn"]["mean"][...])).any()
+    assert _accuracy(poisoned, scope["test"]) < 0.3
+
+
+@pytest.mark.parametrize("name", ["linen", "nnx_optimizer", "combinators", "batchnorm"])
+def test_recipe_has_its_imports(name):
+    # Verbatim means self-contained: each block imports what it uses.
+    assert "import stabljax" in recipes()[name]
