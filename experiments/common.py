@@ -550,7 +550,12 @@ def progress_bar(total: int, desc: str, *, disable: bool = False):
     if tqdm is None or disable or not is_primary():
 
         class _Null:
+            total = total
+
             def update(self, n=1):
+                pass
+
+            def refresh(self):
                 pass
 
             def set_postfix_str(self, s):
@@ -561,6 +566,14 @@ def progress_bar(total: int, desc: str, *, disable: bool = False):
 
         return _Null()
     return tqdm(total=total, desc=desc, dynamic_ncols=True)
+
+
+def grow_bar(bar: Any, steps: int) -> None:
+    """Adds ``steps`` to a :func:`progress_bar`'s total: a rollback's replay is work too,
+    so a bar that counts compute steps ends full, never past its total."""
+    if steps > 0:
+        bar.total += steps
+        bar.refresh()
 
 
 def finite_or_nan(x: float) -> float:

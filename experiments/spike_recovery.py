@@ -164,9 +164,15 @@ def run_arm(cfg: Config, arm: str, workdir: pathlib.Path, bar) -> dict:
         data = stabljax.IndexedBatches(lambda i: put(batch_fn(i)))
         rollback_calls: list[int] = []
 
+        expected: list[int] = []  # the training step the next call should be at
+
         def tick(state, batch):
             if ctl.rollbacks > len(rollback_calls):  # the previous call's step rolled back
                 rollback_calls.append(step.calls - 1)
+            at = int(ctl.current_step)
+            if expected and at < expected[0]:  # a rollback: its replay joins the total
+                common.grow_bar(bar, expected[0] - at)
+            expected[:] = [at + 1]
             state, m = step(state, batch)
             bar.update(1)
             return state, m

@@ -4,6 +4,9 @@ The public API is flat (``stabljax.safe_adamw``, ``stabljax.RollbackController``
 modules are layered (``stabljax.optim`` -> step modules -> ``stabljax.control``), see BUILD.md.
 """
 
+from stabljax.control import CheckpointMismatch as CheckpointMismatch
+from stabljax.control import CheckpointSaveError as CheckpointSaveError
+from stabljax.control import DataExhausted as DataExhausted
 from stabljax.control import DataIterator as DataIterator
 from stabljax.control import Detection as Detection
 from stabljax.control import DivergenceDetector as DivergenceDetector
@@ -12,9 +15,13 @@ from stabljax.control import EventLog as EventLog
 from stabljax.control import GrainDatasetIterator as GrainDatasetIterator
 from stabljax.control import GrainLoaderIterator as GrainLoaderIterator
 from stabljax.control import IndexedBatches as IndexedBatches
+from stabljax.control import JsonlMetricsWriter as JsonlMetricsWriter
+from stabljax.control import Preempted as Preempted
 from stabljax.control import RollbackController as RollbackController
+from stabljax.control import RunResult as RunResult
 from stabljax.control import SlowDivergenceDetector as SlowDivergenceDetector
 from stabljax.control import SpikeDetector as SpikeDetector
+from stabljax.control import TensorBoardMetricsWriter as TensorBoardMetricsWriter
 from stabljax.control import TrainingDiverged as TrainingDiverged
 from stabljax.control import read_events as read_events
 from stabljax.data import default_corpus as default_corpus
@@ -67,10 +74,13 @@ __version__ = "0.1.0"
 
 __all__ = (
     "ArchSpec",
+    "CheckpointMismatch",
+    "CheckpointSaveError",
     "ClipByAdagcState",
     "ClipByPercentileState",
     "ClipByZScoreState",
     "ClipSpikesPerCoordinateState",
+    "DataExhausted",
     "DataIterator",
     "Detection",
     "DivergenceDetector",
@@ -82,9 +92,12 @@ __all__ = (
     "IndexedBatches",
     "InitPlan",
     "InitReport",
+    "JsonlMetricsWriter",
     "LossScaleState",
     "Precision",
+    "Preempted",
     "RollbackController",
+    "RunResult",
     "ScaleByAdamAtan2State",
     "ScaleBySafeAdamState",
     "SkipNonfiniteState",
@@ -92,6 +105,7 @@ __all__ = (
     "SlowDivergenceDetector",
     "SpikeDetector",
     "SpikeRule",
+    "TensorBoardMetricsWriter",
     "TrainState",
     "TrainingDiverged",
     "TransformerConfig",

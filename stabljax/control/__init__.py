@@ -40,6 +40,8 @@ from stabljax.control.ledger import TrainingDiverged as TrainingDiverged
 from stabljax.control.lifecycle import DataExhausted as DataExhausted
 from stabljax.control.lifecycle import Preempted as Preempted
 from stabljax.control.lifecycle import RunResult as RunResult
+from stabljax.control.writers import JsonlMetricsWriter as JsonlMetricsWriter
+from stabljax.control.writers import TensorBoardMetricsWriter as TensorBoardMetricsWriter
 
 __all__ = (
     "EVENT_KINDS",
@@ -56,12 +58,14 @@ __all__ = (
     "GrainDatasetIterator",
     "GrainLoaderIterator",
     "IndexedBatches",
+    "JsonlMetricsWriter",
     "PlainIterator",
     "Preempted",
     "RollbackController",
     "RunResult",
     "SlowDivergenceDetector",
     "SpikeDetector",
+    "TensorBoardMetricsWriter",
     "TrainingDiverged",
     "as_data_iterator",
     "default_detectors",

@@ -5,7 +5,7 @@
 save, what a checkpoint holds), :mod:`~stabljax.control.recovery` (resume, roll back),
 :mod:`~stabljax.control.policy` (pure decisions), :mod:`~stabljax.control.monitor`
 (detectors), :mod:`~stabljax.control.ledger` and :mod:`~stabljax.control.lifecycle` (lock,
-preemption, outcome). See ``/work/shared/REFERENCES.md``, "Rollback controller".
+preemption, outcome).
 
 References:
   Chowdhery et al., `PaLM: Scaling Language Modeling with Pathways
@@ -273,27 +273,28 @@ class RollbackController:
         num_steps: int,
         *,
         progress: bool = True,
+        metrics_writer: Callable[[int, Mapping[str, Any]], Any] | None = None,
+        log_every: int = 1,
     ) -> tuple[Any, DataIterator]:
         """Trains until ``state.step == num_steps`` (a target: a restart ends there too).
 
-        Calls :meth:`restore_or_init` unless done (a closed controller reopens and resumes),
-        and :meth:`close` on every way out, so no save is left in flight. It returns
-        ``(state, data)`` on three outcomes, told apart by ``ctl.last_run``: ``reached``;
-        ``preempted`` (saved at the next step boundary; a restart resumes exactly);
-        ``data_exhausted`` (a ``data_exhausted`` event and a ``RuntimeWarning``).
+        Resumes (:meth:`restore_or_init`) unless done, and closes on every way out, so no
+        save is left in flight. Returns ``(state, data)``; ``ctl.last_run`` says whether it
+        ``reached`` the target, was ``preempted`` (saved; a restart resumes exactly) or ran
+        out of data (a ``data_exhausted`` event and a ``RuntimeWarning``).
+        ``metrics_writer(step, metrics)`` gets every ``log_every``-th step's scalars one step
+        late (:mod:`stabljax.control.writers`), so the device never waits for them.
         """
         if self._closed or self._step is None or self._data is None:
             state, data = self.restore_or_init(state, data)
         data, target = self._resolve(data), int(num_steps)
         bar = lc.Progress(target, self._step, enabled=progress)
         try:
-            state, data, preempted, exhausted = lc.drive(self, train_step, state, data, target, bar)
+            args = (train_step, state, data, target, bar, metrics_writer, log_every)
+            state, data, preempted, exhausted = lc.drive(self, *args)
         except BaseException:
             self.close(quiet=True)
             raise
-        if exhausted:
-            self._log("data_exhausted", self._step, data_index=data.index, target=target)
-            lc.warn(f"the data ran out at step {self._step} (index {data.index}) of {target}")
         self.close()
         self.last_run = lc.RunResult(self._step, target, self._step == target, preempted, exhausted)
         return state, data

@@ -33,6 +33,8 @@ import jax
 import numpy as np
 from jax.experimental import multihost_utils
 
+from stabljax.control.writers import host_metrics
+
 
 class Preempted(SystemExit):
     """Raised by ``RollbackController.step`` after a preemption save.
@@ -199,15 +201,38 @@ class PreemptionWatch:
         return bool(flags.any())
 
 
-def drive(ctl: Any, train_step: Any, state: Any, data: Any, target: int, bar: Progress):
+def drive(
+    ctl: Any,
+    train_step: Any,
+    state: Any,
+    data: Any,
+    target: int,
+    bar: Progress,
+    writer: Any = None,
+    log_every: int = 1,
+):
     """The loop of ``RollbackController.run``: ``(state, data, preempted, exhausted)``.
 
     Feeds ``next(data)`` to ``train_step`` and ``ctl.step`` until ``ctl.current_step``
     reaches ``target``, then ``ctl.finish`` (which may roll back, and the loop goes on).
     The data running out (``StopIteration``, or :class:`DataExhausted` from a rollback's
     skip) and :class:`Preempted` end it with the state as saved; anything else propagates.
+    ``writer(step, host_metrics)`` gets every ``log_every``-th step's metrics one step
+    late (after the next step is dispatched), and the last one on the way out.
     """
+    if isinstance(log_every, bool) or int(log_every) != log_every or log_every < 1:
+        raise ValueError(f"log_every must be an int >= 1, got {log_every!r}")
+    if writer is not None and not callable(writer):
+        raise TypeError(f"metrics_writer must be a callable(step, metrics), got {writer!r}")
     preempted = exhausted = False
+    pending: tuple[int, Any] | None = None
+
+    def write_pending() -> None:
+        nonlocal pending
+        if pending is not None and writer is not None:
+            writer(pending[0], host_metrics(pending[1]))
+        pending = None
+
     try:
         while ctl.current_step < target and not exhausted:
             try:
@@ -216,7 +241,11 @@ def drive(ctl: Any, train_step: Any, state: Any, data: Any, target: int, bar: Pr
                 exhausted = True
                 state, data = ctl.finish(state, data)
                 continue
+            step = ctl.current_step
             state, metrics = train_step(state, batch)
+            write_pending()  # the previous step's: this one is already dispatched
+            if writer is not None and step % log_every == 0:
+                pending = (step, metrics)
             state, data = ctl.step(state, metrics, data)
             bar.show(ctl)
             if ctl.current_step >= target:
@@ -226,8 +255,17 @@ def drive(ctl: Any, train_step: Any, state: Any, data: Any, target: int, bar: Pr
     except DataExhausted as e:
         state, exhausted = e.state, True
     finally:
-        bar.show(ctl)
-        bar.close()
+        try:
+            write_pending()
+            if writer is not None and callable(getattr(writer, "flush", None)):
+                writer.flush()
+        finally:
+            bar.show(ctl)
+            bar.close()
+    if exhausted:
+        step = ctl.current_step
+        ctl._log("data_exhausted", step, data_index=data.index, target=target)
+        warn(f"the data ran out at step {step} (index {data.index}) of {target}")
     return state, data, preempted, exhausted
 
 
