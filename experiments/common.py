@@ -550,7 +550,8 @@ def progress_bar(total: int, desc: str, *, disable: bool = False):
     if tqdm is None or disable or not is_primary():
 
         class _Null:
-            total = total
+            def __init__(self, total):
+                self.total = total
 
             def update(self, n=1):
                 pass
@@ -564,7 +565,7 @@ def progress_bar(total: int, desc: str, *, disable: bool = False):
             def close(self):
                 pass
 
-        return _Null()
+        return _Null(total)
     return tqdm(total=total, desc=desc, dynamic_ncols=True)
 
 
