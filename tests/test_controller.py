@@ -325,14 +325,23 @@ def test_sigkill_at_random_points_resumes_exactly(tmp_path, reference):
     duration = time.perf_counter() - t0
     rng = random.Random(0)
     kills = 0
-    for _ in range(8):
-        proc = _worker(d, out, "--extra", "2000000", wait=False)
-        time.sleep(rng.uniform(0.3, 0.9) * duration)
-        if proc.poll() is not None:
+    for attempt in range(3):
+        # On a shared machine the timing run can be slower than the runs it times: when a
+        # run ends before its first kill, start over in a fresh directory, timed by it.
+        d = tmp_path / f"ckpt{attempt}"
+        for _ in range(8):
+            t0 = time.perf_counter()
+            proc = _worker(d, out, "--extra", "2000000", wait=False)
+            time.sleep(rng.uniform(0.3, 0.9) * duration)
+            if proc.poll() is not None:
+                proc.communicate()
+                duration = 0.5 * (time.perf_counter() - t0)  # an upper bound, halved
+                break
+            os.kill(proc.pid, signal.SIGKILL)
+            proc.communicate()
+            kills += 1
+        if kills:
             break
-        os.kill(proc.pid, signal.SIGKILL)
-        proc.communicate()
-        kills += 1
     assert kills >= 1  # at least one random-point kill happened (usually several)
     rc, err = _worker(d, out, "--extra", "2000000")
     assert rc == 0, err[-2000:]

@@ -10,8 +10,10 @@ The run is at a stable learning rate (1e-2). The gradient all-reduce across proc
 (gloo) rounds differently from the one inside a process: after one step at lr 1.0 the
 held-out loss differs in the 7th digit (10.672876 against 10.672878; the step-0 gradient
 norm is equal), and the quick run's 6 steps at lr 1.0 amplify that to 2 % (7.46 against
-7.30). At lr 1e-2 a last-bit difference in a gradient moves no parameter by a float32
-ulp, and the numbers agree exactly.
+7.30). At lr 1e-2 the differences stay at float32 rounding: every number agrees to a
+few ulps. (An earlier machine gave exact equality; the one of 2026-12-03 gives one number
+1 ulp apart, 1.8561852 against 1.8561853, on every commit back to the last landed one:
+XLA:CPU's reductions round by the host's vector width, so exactness is not portable.)
 """
 
 from __future__ import annotations
@@ -103,4 +105,5 @@ def test_warmup_two_processes_match_one(tmp_path):
     a, b = _numbers(multi["results"]), _numbers(one["results"])
     assert len(a) == len(b) > 0
     assert all(np.isfinite(a))
-    assert a == b  # exact: see the module docstring for why at this learning rate
+    # Float32 rounding only (see the module docstring): a wrong result is far more ulps off.
+    np.testing.assert_array_max_ulp(np.float32(a), np.float32(b), maxulp=4)
