@@ -1,21 +1,19 @@
-"""Molybog et al.'s mechanism made visible: Adam's eps against gradients shrunk by a factor.
+"""Molybog et al.'s mechanism made visible: Adam's eps against tiny gradients, by width.
 
 The gradient is multiplied by a factor down to 1e-8 before the optimizer (what a loss
-multiplier, tiny gradients at scale or an fp16 loss scale do). Adam's update
-m̂/(√v̂ + eps) does not depend on the gradient's scale until √v̂ falls to eps; from there
-eps sets the step and the model stops learning. Four arms: ``optax.adamw`` with eps 1e-8
-and 1e-15, ``stabljax.safe_adamw`` with eps 0, and ``stabljax.adamw_atan2`` (no eps).
-Reports the final loss per factor per arm and, from :func:`stabljax.adam_eps_report`, the
-fraction of coordinates whose √v̂ is below 1e-8 (where eps = 1e-8 dominates).
+multiplier, tiny gradients at scale or an fp16 loss scale do), either everywhere or only
+in the shallow layers (the embedding and the first block: Molybog et al.'s case, where the
+shallow layers' gradients vanish first). Adam's update m̂/(√v̂ + eps) does not depend on
+the gradient's scale until √v̂ falls to eps; from there eps sets the step and those
+parameters stop learning. Three arms: ``optax.adamw`` with eps 1e-8 (the failure),
+``stabljax.safe_adamw`` with eps 0 and ``stabljax.adamw_atan2`` (no eps), at three widths,
+with the gradient RMS per width at ×1 (it falls with width: the trend that makes eps bind
+sooner at scale). No gradient clipping: clipping a global norm is not scale invariant.
 
-An arm counts as invariant to the gradient scale when no scale moves its seed-mean final
-loss away from the ×1 one by more than the seed-to-seed standard deviation of a single
-run (:func:`invariance` states it exactly).
+Effects are paired per seed against ``adamw_eps1e-8`` at the same scale, with 95 %
+bootstrap intervals; the mechanism is the update norm (log10), which eps shrinks.
 
-No gradient clipping here: clipping a global norm to 1.0 is itself not scale invariant,
-and the point is to isolate eps.
-
-    python -m experiments.adam_eps [--quick] [--scales 1 1e-4 1e-8] [--seeds 0 1 2 3]
+    python -m experiments.adam_eps [--quick] [--scales 1 1e-4 1e-8] [--seeds 0 1 2 3 4]
 
 References:
   Molybog et al., `A Theory on Adam Instability in Large-Scale Machine Learning
@@ -29,6 +27,7 @@ from __future__ import annotations
 import dataclasses
 import pathlib
 import sys
+import time
 
 if __package__ in (None, ""):
     sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
@@ -38,212 +37,261 @@ import numpy as np
 import optax
 
 import stabljax
-from experiments import common
+from experiments import cli, common, plots, proxy, stats
+from experiments.trainer import Trainer
 
-ARMS = ("adamw_eps1e-8", "adamw_eps1e-15", "safe_adamw_eps0", "adamw_atan2")
+ARMS = ("adamw_eps1e-8", "safe_adamw_eps0", "adamw_atan2")
+BASE = "adamw_eps1e-8"
 
 
 @dataclasses.dataclass(frozen=True)
-class Config(common.SweepConfig):
-    seeds: tuple[int, ...] = (0, 1, 2, 3)
+class Config(proxy.SweepConfig):
     lr: float = 1e-2
-    scales: tuple[float, ...] = (1.0, 1e-2, 1e-4, 1e-6, 1e-8)
+    steps: int = 200
+    scales: tuple[float, ...] = (1.0, 1e-4, 1e-8)
+    shallow_scale: float = 1e-8
     arms: tuple[str, ...] = ARMS
-    eps_threshold: float = 1e-8
-    pow2_scales: tuple[float, ...] = (2.0**-7, 2.0**-27)
+    widths: tuple[int, ...] = (32, 64, 128)
+    heads: tuple[int, ...] = (2, 4, 4)
 
     @classmethod
     def quick(cls):
-        # Two seeds, so the invariance criterion has a seed spread to compare against;
-        # eps 1e-15 runs the same code as eps 1e-8 and is left to the full run.
-        base = {**dataclasses.asdict(common.SweepConfig.quick()), "seeds": (0, 1)}
+        q = dataclasses.asdict(proxy.SweepConfig.quick())
         return cls(
-            **base,
+            **q,
             scales=(1.0, 1e-8),
-            pow2_scales=(2.0**-27,),
-            arms=("adamw_eps1e-8", "safe_adamw_eps0", "adamw_atan2"),
+            widths=(16,),
+            heads=(2,),
+            arms=("adamw_eps1e-8", "safe_adamw_eps0"),
         )
 
 
-def factory(arm: str, s: common.Setup):
-    """``factory(learning_rate, grad_scale)``: the gradient times ``grad_scale``, then ``arm``."""
-    unit = common.unit_schedule(s)
+def is_shallow(path) -> bool:
+    """The embedding and the first block (``blocks/0``), by parameter path."""
+    p = stabljax.telemetry.path_str(path)
+    return "embed" in p or "blocks/0/" in p or "blocks.0." in p or "layers/0/" in p
 
-    def make(learning_rate, grad_scale):
+
+def scale_grads(grad_scale, shallow_scale) -> optax.GradientTransformation:
+    """Multiplies every gradient by ``grad_scale`` and the shallow ones also by
+    ``shallow_scale`` (both traced)."""
+
+    def update(updates, state, params=None):
+        del params
+        out = jax.tree_util.tree_map_with_path(
+            lambda p, g: g * grad_scale * (shallow_scale if is_shallow(p) else 1.0), updates
+        )
+        return out, state
+
+    return optax.GradientTransformation(lambda p: optax.EmptyState(), update)
+
+
+def factory(arm: str, s: proxy.Setup):
+    """``factory(learning_rate, grad_scale, shallow_scale)``: scaled gradients, then ``arm``."""
+    unit = proxy.unit_schedule(s)
+
+    def make(learning_rate, grad_scale, shallow_scale):
         lr = lambda c: learning_rate * unit(c)  # noqa: E731
         kw = {"b1": s.b1, "b2": s.b2, "weight_decay": s.weight_decay}
         if arm == "adamw_eps1e-8":
             opt = optax.adamw(lr, eps=1e-8, **kw)
-        elif arm == "adamw_eps1e-15":
-            opt = optax.adamw(lr, eps=1e-15, **kw)
         elif arm == "safe_adamw_eps0":
             opt = stabljax.safe_adamw(lr, eps=0.0, **kw)
         elif arm == "adamw_atan2":
             opt = stabljax.adamw_atan2(lr, **kw)
         else:
             raise ValueError(f"unknown arm {arm!r}; one of {ARMS}")
-        return optax.chain(optax.scale(grad_scale), opt)
+        return optax.chain(scale_grads(grad_scale, shallow_scale), opt)
 
     return make
 
 
-def eps_fraction(opt_state, params, eps: float, b2: float) -> float:
-    """Fraction of all coordinates (weighted by size) whose √v̂ is below ``eps``; NaN if no Adam."""
-    report = stabljax.adam_eps_report(opt_state, eps, b2=b2)
-    if not report:
-        return float("nan")
-    sizes = {
-        stabljax.telemetry.path_str(p): np.size(x)
-        for p, x in jax.tree_util.tree_flatten_with_path(params)[0]
-    }
-    n = sum(sizes.get(k.split(":")[-1], 0) for k in report)
-    return float(sum(v * sizes.get(k.split(":")[-1], 0) for k, v in report.items()) / max(n, 1))
+def conditions(cfg: Config) -> list[tuple[str, float, float]]:
+    """(name, grad_scale, shallow_scale) of every gradient condition."""
+    out = [(f"x{g:g}", g, 1.0) for g in cfg.scales]
+    return [*out, (f"shallow x{cfg.shallow_scale:g}", 1.0, cfg.shallow_scale)]
 
 
-def invariance(by_scale: dict[float, list[float]], ref: float) -> dict:
-    """The scale-invariance criterion of one arm, from its final losses.
+def run(cfg: Config, bar) -> list[dict]:
+    rows = []
+    conds = conditions(cfg)
+    specs = [
+        {"seed": sd, "learning_rate": cfg.lr, "grad_scale": g, "shallow_scale": h}
+        for _, g, h in conds
+        for sd in cfg.seeds
+    ]
+    for d, h in zip(cfg.widths, cfg.heads, strict=True):
+        s = cfg.setup(lr=cfg.lr, d_model=d, n_heads=h, clip=0.0)
+        n_params = sum(np.size(x) for x in jax.tree.leaves(proxy.initial_model(s)[1]))
+        for arm in cfg.arms:
+            bar.set_postfix_str(f"d{d} {arm}")
+            r = Trainer(s, factory(arm, s)).run_many(specs, progress=bar.update)
+            m = r.metrics
+            for i, sp in enumerate(r.specs):
+                name = next(
+                    c for c, g, hh in conds if (g, hh) == (sp["grad_scale"], sp["shallow_scale"])
+                )
+                rows.append(
+                    {
+                        "width": d,
+                        "arm": arm,
+                        "condition": name,
+                        "seed": sp["seed"],
+                        "init_loss": float(r.init_loss[i]),
+                        "final_loss": common.finite_or_nan(r.final_loss[i]),
+                        "failed": stats.failed(r.final_loss[i], r.init_loss[i]),
+                        "grad_rms": float(np.mean(m["grad_norm"][i]) / np.sqrt(n_params)),
+                        "log10_update_norm": float(np.log10(np.mean(m["update_norm"][i]) + 1e-30)),
+                    }
+                )
+    return rows
 
-    ``by_scale[g]`` holds the final loss of each seed at gradient scale ``g`` (the same
-    seeds, in the same order, at every scale); ``ref`` is the reference scale (×1).
 
-    - ``seed_sd``: the seed-to-seed standard deviation of one run's final loss, pooled
-      over the scales: √(mean_g var_k L[g, k]), each variance with ddof 1, so
-      (scales × (seeds − 1)) degrees of freedom. Pooling uses every run, where the
-      variance at ×1 alone would rest on seeds − 1 degrees of freedom.
-    - ``scale_effect``: the largest shift of the seed-mean loss from the ×1 one,
-      max_g |mean_k L[g, k] − mean_k L[ref, k]|.
-    - ``invariant``: ``scale_effect <= seed_sd``; ``None`` with fewer than two seeds.
+def pick(rows, width, arm, cond, key, seeds):
+    return [
+        next(
+            r[key]
+            for r in rows
+            if (r["width"], r["arm"], r["condition"], r["seed"]) == (width, arm, cond, sd)
+        )
+        for sd in seeds
+    ]
 
-    For a shift that is pure seed-like noise the difference of two n-seed means has
-    standard deviation σ·√(2/n), so with n ≤ 8 seeds this bound is tighter than two
-    standard errors of the difference (with 4 seeds: σ against 1.41σ).
-    """
-    losses = {g: np.asarray(v, dtype=float) for g, v in by_scale.items()}
-    n = min(v.size for v in losses.values())
-    base = float(np.mean(losses[ref]))
-    shifts = {g: float(np.mean(v) - base) for g, v in losses.items()}
-    effect = max(abs(d) for d in shifts.values())
-    if n < 2:
-        sd, ok = float("nan"), None
-    else:
-        sd = float(np.sqrt(np.mean([np.var(v, ddof=1) for v in losses.values()])))
-        ok = bool(effect <= sd)
-    return {
-        "shift_vs_x1": {f"{g:g}": d for g, d in shifts.items()},
-        "scale_effect": effect,
-        "seed_sd": sd,
-        "seed_sd_dof": len(losses) * (n - 1),
-        "effect_over_sd": effect / sd if n >= 2 else float("nan"),
-        "invariant": ok,
-    }
+
+def summarize(cfg: Config, rows: list[dict]) -> tuple[dict, dict]:
+    effects = {}
+    conds = [c for c, _, _ in conditions(cfg)]
+    ref = conds[0]
+    for d in cfg.widths:
+        effects[d] = {}
+        for c in conds:
+            base = pick(rows, d, BASE, c, "final_loss", cfg.seeds)
+            e = {
+                "stall_vs_x1": stats.paired_effect(
+                    base, pick(rows, d, BASE, ref, "final_loss", cfg.seeds), "final loss"
+                )
+            }
+            for arm in cfg.arms[1:]:
+                e[arm] = {
+                    "final_loss": stats.paired_effect(
+                        pick(rows, d, arm, c, "final_loss", cfg.seeds), base, "final loss"
+                    ),
+                    "mechanism": stats.moved(
+                        pick(rows, d, arm, c, "log10_update_norm", cfg.seeds),
+                        pick(rows, d, BASE, c, "log10_update_norm", cfg.seeds),
+                        direction=+1,
+                    ),
+                    "shift_vs_x1": stats.paired_effect(
+                        pick(rows, d, arm, c, "final_loss", cfg.seeds),
+                        pick(rows, d, arm, ref, "final_loss", cfg.seeds),
+                        "final loss",
+                    ),
+                }
+            effects[d][c] = e
+        effects[d]["grad_rms_x1"] = stats.interval(pick(rows, d, BASE, ref, "grad_rms", cfg.seeds))
+    big, tiny = cfg.widths[-1], f"x{min(cfg.scales):g}"
+    shallow = conds[-1]
+    remedies = {}
+    for c in (tiny, shallow):
+        for arm in cfg.arms[1:]:
+            e = effects[big][c][arm]
+            remedies[f"{arm} @ {c}, d{big}"] = stats.remedy(
+                "final loss", e["final_loss"], e["mechanism"], "log10 mean update norm (raised)"
+            )
+    stall = effects[big][tiny]["stall_vs_x1"]
+    summary = stats.summary(
+        instability_reproduced=bool(stall["ci95"][0] > 0),
+        failure_metric=f"eps 1e-8 final loss at {tiny} above its x1 loss (paired CI > 0)",
+        remedies=remedies,
+        seeds=len(cfg.seeds),
+        sizes=[f"d{d}" for d in cfg.widths],
+    )
+    return summary, effects
+
+
+def tables(cfg: Config, rows: list[dict], effects: dict) -> str:
+    conds = [c for c, _, _ in conditions(cfg)]
+    t = []
+    for d in cfg.widths:
+        for arm in cfg.arms:
+            row = {"width": d, "arm": arm}
+            for c in conds:
+                row[c] = f"{np.mean(pick(rows, d, arm, c, 'final_loss', cfg.seeds)):.3f}"
+            t.append(row)
+    e = []
+    for d in cfg.widths:
+        g = effects[d]["grad_rms_x1"]
+        for c in conds:
+            row = {
+                "width": d,
+                "gradient RMS at x1": f"{g['mean']:.2e}",
+                "condition": c,
+                "eps 1e-8 vs its x1": common.fmt_ci(effects[d][c]["stall_vs_x1"]),
+            }
+            for arm in cfg.arms[1:]:
+                row[f"{arm} − eps 1e-8"] = common.fmt_ci(effects[d][c][arm]["final_loss"])
+            e.append(row)
+    return (
+        f"Seed-mean final held-out loss ({len(cfg.seeds)} seeds, lr {cfg.lr:g}, "
+        f"{cfg.steps} steps)\n\n"
+        + common.markdown_table(t)
+        + "\nPaired per-seed differences of the final loss, mean [95 % bootstrap CI]\n\n"
+        + common.markdown_table(e)
+    )
 
 
 def main(argv=None) -> dict:
-    cfg, args = common.parse_config(Config, argv, __doc__.splitlines()[0], name="adam_eps")
-    common.init_distributed(args)
+    cfg, args = cli.parse_config(Config, argv, __doc__.splitlines()[0], name="adam_eps")
+    cli.init_distributed(args)
+    t0 = time.perf_counter()
     out = pathlib.Path(args.out)
-    s = cfg.setup(lr=cfg.lr)
-    trainers = {a: common.Trainer(s, factory(a, s)) for a in cfg.arms}
-    cells = [
-        {"arm": a, "scale": g, "seed": sd} for a in cfg.arms for g in cfg.scales for sd in cfg.seeds
-    ]
-
-    def run_cell(c, advance):
-        r = trainers[c["arm"]].run(
-            c["seed"],
-            learning_rate=cfg.lr,
-            grad_scale=c["scale"],
-            progress=advance,
-            keep_state=True,
-        )
-        frac = eps_fraction(r.state.opt_state, r.state.params, cfg.eps_threshold, s.b2)
-        return {
-            **c,
-            "final_loss": common.finite_or_nan(r.eval_loss),
-            "init_loss": r.init_loss,
-            "eps_fraction": frac,
-        }
-
-    # Powers of two scale a float exactly: there the eps-free arms must match ×1 bit for bit,
-    # which separates scale invariance from float32 rounding of a ×0.01 gradient.
-    exact = [a for a in ("safe_adamw_eps0", "adamw_atan2") if a in cfg.arms]
-    cells += [
-        {"arm": a, "scale": g, "seed": sd}
-        for a in exact
-        for g in cfg.pow2_scales
-        for sd in cfg.seeds
-    ]
-    rows = common.sweep(cells, run_cell, steps=cfg.steps, desc="adam_eps", disable=args.no_progress)
-    pow2 = [r for r in rows if r["scale"] in cfg.pow2_scales and r["scale"] not in cfg.scales]
-    rows = [r for r in rows if r not in pow2]
-    ref1 = {(r["arm"], r["seed"]): r["final_loss"] for r in rows if r["scale"] == 1.0}
-    pow2_check = {
-        a: {
-            f"{g:g}": [r["final_loss"] for r in pow2 if r["arm"] == a and r["scale"] == g]
-            for g in cfg.pow2_scales
-        }
-        | {
-            "bit_identical_to_x1": all(
-                r["final_loss"] == ref1.get((a, r["seed"])) for r in pow2 if r["arm"] == a
-            )
-        }
-        for a in exact
-    }
-    arms, table = {}, []
-    for a in cfg.arms:
-        by_scale = {
-            g: [r["final_loss"] for r in rows if r["arm"] == a and r["scale"] == g]
-            for g in cfg.scales
-        }
-        ref = np.mean(by_scale[cfg.scales[0]])
-        inv = invariance(by_scale, cfg.scales[0])
-        arms[a] = {
-            "loss_by_scale": {f"{g:g}": common.mean_spread(v) for g, v in by_scale.items()},
-            "max_gap_vs_scale1": inv["scale_effect"],
-            "invariance": inv,
-            "degradation_at_smallest_scale": float(np.mean(by_scale[cfg.scales[-1]]) - ref),
-        }
-        row = {"arm": a}
-        for g in cfg.scales:
-            m, sp = common.mean_spread(by_scale[g])
-            fr = np.mean([r["eps_fraction"] for r in rows if r["arm"] == a and r["scale"] == g])
-            fr_s = "n/a" if not np.isfinite(fr) else f"{100 * fr:.0f}%"
-            row[f"×{g:g}"] = f"{m:.3f} ± {sp:.3f} ({fr_s})"
-        row["largest shift vs ×1"] = f"{inv['scale_effect']:.4f}"
-        row["seed SD"] = f"{inv['seed_sd']:.4f}"
-        row["invariant"] = {True: "yes", False: "no", None: "n/a"}[inv["invariant"]]
-        table.append(row)
-    table = (
-        "Final held-out loss (mean ± half-range over seeds) by gradient scale; in brackets the "
-        f"fraction of coordinates with √v̂ < {cfg.eps_threshold:g} at the end (n/a: atan2 has no v̂ "
-        "in adam_eps_report's sense). Largest shift vs ×1: the largest change of the seed-mean "
-        "loss from ×1; seed SD: the standard deviation of one run's final loss across seeds, "
-        f"pooled over the scales ({len(cfg.scales)} × ({len(cfg.seeds)} − 1) degrees of freedom); "
-        "invariant: largest shift ≤ seed SD.\n\n" + common.markdown_table(table)
-    )
-    res = {"rows": rows, "arms": arms, "pow2_check": pow2_check, "pow2_rows": pow2}
-    table += "\nPower-of-two gradient scales (exact in floating point), final loss per seed:\n\n"
-    table += common.markdown_table(
-        [
-            {"arm": a}
-            | {f"×{g:g}": ", ".join(f"{v:.6f}" for v in c[f"{g:g}"]) for g in cfg.pow2_scales}
-            | {"×1": ", ".join(f"{ref1[(a, sd)]:.6f}" for sd in cfg.seeds if (a, sd) in ref1)}
-            | {"bit-identical to ×1": c["bit_identical_to_x1"]}
-            for a, c in pow2_check.items()
-        ]
-    )
+    total = len(cfg.widths) * len(cfg.arms) * len(conditions(cfg)) * len(cfg.seeds) * cfg.steps
+    bar = common.progress_bar(total, "adam_eps", disable=args.no_progress)
+    try:
+        rows = run(cfg, bar)
+    finally:
+        bar.close()
+    summary, effects = summarize(cfg, rows)
+    table = tables(cfg, rows, effects)
+    res = {"rows": rows, "effects": effects}
     common.write_results(
-        out, config=cfg, results=res, table=table, title="Adam epsilon vs gradient scale"
+        out,
+        config=cfg,
+        results=res,
+        table=table,
+        title="Adam epsilon vs tiny gradients, by width",
+        summary=summary,
+        command=args.command,
+        wall_s=time.perf_counter() - t0,
     )
-    common.plot_groups(
-        rows,
-        x="scale",
+    plots.groups_vs_x(
+        [
+            {**r, "x": i}
+            for r in rows
+            for i, (c, _, _) in enumerate(conditions(cfg))
+            if r["condition"] == c
+        ],
+        x="x",
         y="final_loss",
         group="arm",
+        panel="width",
         path=out / "loss_vs_scale.png",
-        title=f"Final loss vs gradient scale (lr {cfg.lr:g}; band: seeds min-max)",
-        xlabel="gradient multiplier",
+        title="final loss; x: "
+        + ", ".join(f"{i}={c}" for i, (c, _, _) in enumerate(conditions(cfg))),
+        xlabel="gradient condition",
         ylabel="final loss (nats/byte)",
+        logx=False,
+    )
+    plots.groups_vs_x(
+        [r for r in rows if r["arm"] == BASE and r["condition"] == conditions(cfg)[0][0]],
+        x="width",
+        y="grad_rms",
+        group="arm",
+        path=out / "grad_rms_vs_width.png",
+        title="gradient RMS at x1 vs width",
+        xlabel="d_model",
+        ylabel="gradient RMS",
+        logy=True,
     )
     print(table)
     return res

@@ -1,19 +1,23 @@
-"""Clipping and skipping at a learning rate where fixed global-norm clipping spikes.
+"""Gradient clipping against the loss bursts of a too-high learning rate.
 
-At one high learning rate, five arms on the reference model: no clipping, the fixed
-``clip_by_global_norm(1.0)``, ZClip (``stabljax.clip_by_zscore``), AutoClip
-(``stabljax.clip_by_percentile``) and ``stabljax.skip_spikes`` around the fixed clip.
-Spikes are counted on the training-loss curve by :class:`stabljax.SpikeDetector`; the
-table gives the final held-out loss, spikes, steps lost (steps spent above the pre-spike
-loss) and skipped updates, as mean and spread over several seeds.
+An LR sweep per arm on the proxy with weight decay off: ``none`` (no clipping), ``clip_1.0``
+(``optax.clip_by_global_norm(1.0)``), ``zclip`` (:func:`stabljax.clip_by_zscore`, ZClip,
+with a 5-step warmup, shorter than the onset of the bursts) and ``autoclip``
+(:func:`stabljax.clip_by_percentile`, AutoClip's 10th percentile). ZClip's claim is that at
+an LR where fixed clipping still bursts or diverges, the z-score rule does not.
 
-    python -m experiments.clipping [--quick] [--lr 1.0] [--seeds 0 1 2]
+Failure metric: bursts, steps whose training loss exceeds 1.5× its running minimum,
+summed over the LR grid per seed. Effects are paired per seed (arm − ``none``, and
+``zclip`` − ``clip_1.0``) with 95 % bootstrap intervals; the mechanism is the clip rate
+(the fraction of steps the rule rescaled the gradient).
+
+    python -m experiments.clipping [--quick] [--lrs 0.3 1 3] [--seeds 0 1 2 3 4]
 
 References:
   Kumar et al., `ZClip: Adaptive Spike Mitigation for LLM Pre-Training
   <https://arxiv.org/abs/2504.02507>`_, 2025
-  Seetharaman et al., `AutoClip: Adaptive Gradient Clipping for Source Separation Networks
-  <https://arxiv.org/abs/2007.14469>`_, 2020
+  Seetharaman et al., `AutoClip: Adaptive Gradient Clipping for Source Separation
+  Networks <https://arxiv.org/abs/2007.14469>`_, 2020
 """
 
 from __future__ import annotations
@@ -21,120 +25,216 @@ from __future__ import annotations
 import dataclasses
 import pathlib
 import sys
+import time
 
 if __package__ in (None, ""):
     sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
+import jax.numpy as jnp
 import numpy as np
 import optax
 
 import stabljax
-from experiments import common
+from experiments import cli, common, plots, proxy, stats
+from experiments.trainer import Trainer
 
-ARMS = ("none", "clip_1.0", "zscore", "percentile", "skip_spikes")
+ARMS = ("none", "clip_1.0", "zclip", "autoclip")
 
 
 @dataclasses.dataclass(frozen=True)
-class Config(common.SweepConfig):
-    lr: float = 1.0
-    steps: int = 400
-    seeds: tuple[int, ...] = (0, 1, 2)
+class Config(proxy.SweepConfig):
+    n_heads: int = 2
+    steps: int = 300
+    weight_decay: float = 0.0
+    lrs: tuple[float, ...] = (0.3, 1.0, 3.0)
     arms: tuple[str, ...] = ARMS
-    spike_warmup: int = 20
+    zclip_warmup: int = 5
 
     @classmethod
     def quick(cls):
-        base = dataclasses.asdict(common.SweepConfig.quick())
-        return cls(**{**base, "steps": 12}, spike_warmup=4)
+        q = dataclasses.asdict(proxy.SweepConfig.quick())
+        return cls(**{**q, "steps": 12}, lrs=(1.0,), arms=("none", "zclip"), zclip_warmup=3)
 
 
-def factory(arm: str, s: common.Setup, cfg: Config):
-    adam = common.adamw_factory(s, clip=0.0)
-    clipped = common.adamw_factory(s, clip=1.0)
+def factory(arm: str, s: proxy.Setup, cfg: Config):
+    adam = proxy.adamw_factory(s, clip=0.0)
 
     def make(learning_rate):
         if arm == "none":
             return adam(learning_rate)
         if arm == "clip_1.0":
-            return clipped(learning_rate)
-        if arm == "zscore":
-            return optax.chain(stabljax.clip_by_zscore(), adam(learning_rate))
-        if arm == "percentile":
+            return optax.chain(optax.clip_by_global_norm(1.0), adam(learning_rate))
+        if arm == "zclip":
+            return optax.chain(
+                stabljax.clip_by_zscore(warmup_steps=cfg.zclip_warmup), adam(learning_rate)
+            )
+        if arm == "autoclip":
             return optax.chain(stabljax.clip_by_percentile(), adam(learning_rate))
-        if arm == "skip_spikes":
-            return stabljax.skip_spikes(clipped(learning_rate), warmup_steps=cfg.spike_warmup)
         raise ValueError(f"unknown arm {arm!r}; one of {ARMS}")
 
     return make
 
 
-def main(argv=None) -> dict:
-    cfg, args = common.parse_config(Config, argv, __doc__.splitlines()[0], name="clipping")
-    common.init_distributed(args)
-    out = pathlib.Path(args.out)
-    s = cfg.setup(lr=cfg.lr)
-    trainers = {a: common.Trainer(s, factory(a, s, cfg)) for a in cfg.arms}
-    cells = [{"arm": a, "seed": sd} for a in cfg.arms for sd in cfg.seeds]
-    curves = {}
+def probes(arm: str) -> dict:
+    """``clipped``: whether the arm's rule rescaled this step's gradient."""
+    if arm == "zclip":
+        return {"clipped": lambda st: optax.tree.get(st.opt_state, "zclip_clipped")}
+    if arm == "autoclip":
 
-    def run_cell(c, advance):
-        r = trainers[c["arm"]].run(c["seed"], learning_rate=cfg.lr, progress=advance)
-        losses = r.metrics["loss"]
-        spikes = common.spike_steps(losses)
-        curves[(c["arm"], c["seed"])] = losses
-        return {
-            **c,
-            "final_loss": common.finite_or_nan(r.eval_loss),
-            "spikes": len(spikes),
-            "spike_steps": spikes,
-            "steps_lost": common.steps_lost(losses, spikes),
-            "skipped_updates": int(np.sum(r.metrics["skipped"])),
-            "max_grad_norm": float(np.nanmax(r.metrics["grad_norm"])),
-        }
+        def pclip(st):
+            n = optax.tree.get(st.opt_state, "pclip_norm")
+            return n > optax.tree.get(st.opt_state, "pclip_threshold")
 
-    rows = common.sweep(cells, run_cell, steps=cfg.steps, desc="clipping", disable=args.no_progress)
-    table, summary = [], {}
-    for a in cfg.arms:
-        rr = [r for r in rows if r["arm"] == a]
-        row, summary[a] = {"arm": a}, {}
-        for key in ("final_loss", "spikes", "steps_lost", "skipped_updates"):
-            m, sp = common.mean_spread([r[key] for r in rr])
-            summary[a][key] = {"mean": m, "spread": sp}
-            row[key.replace("_", " ")] = (
-                "diverged"
-                if not np.isfinite(m)
-                else f"{m:.3f} ± {sp:.3f}"
-                if key == "final_loss"
-                else f"{m:.1f} ± {sp:.1f}"
+        return {"clipped": pclip}
+    return {}
+
+
+def run(cfg: Config, bar) -> tuple[list[dict], dict]:
+    rows, curves = [], {}
+    specs = [{"seed": sd, "learning_rate": lr} for lr in cfg.lrs for sd in cfg.seeds]
+    s = cfg.setup(clip=0.0)
+    for arm in cfg.arms:
+        bar.set_postfix_str(arm)
+        r = Trainer(s, factory(arm, s, cfg), probes=probes(arm)).run_many(
+            specs, progress=bar.update
+        )
+        m = r.metrics
+        if arm == "clip_1.0":
+            clipped = m["grad_norm"] > 1.0
+        elif arm == "none":
+            clipped = jnp.zeros_like(m["grad_norm"], dtype=bool)
+        else:
+            clipped = m["clipped"] > 0
+        clipped = np.asarray(clipped)
+        for i, sp in enumerate(r.specs):
+            rows.append(
+                {
+                    "arm": arm,
+                    "lr": sp["learning_rate"],
+                    "seed": sp["seed"],
+                    "init_loss": float(r.init_loss[i]),
+                    "final_loss": common.finite_or_nan(r.final_loss[i]),
+                    "failed": stats.failed(r.final_loss[i], r.init_loss[i]),
+                    "bursts": stats.burst_count(m["loss"][i]),
+                    "clip_rate": float(np.mean(clipped[i])),
+                    "max_grad_norm": float(np.nanmax(m["grad_norm"][i])),
+                }
             )
-        table.append(row)
-    table = (
-        f"lr {cfg.lr:g}, {cfg.steps} steps, seeds {list(cfg.seeds)}: "
-        "mean ± half-range over seeds\n\n" + common.markdown_table(table)
+        curves[arm] = m["loss"][r.index(learning_rate=max(cfg.lrs))]
+    return rows, curves
+
+
+def per_seed(rows, arm, key, seeds):
+    return [
+        float(np.sum([r[key] for r in rows if (r["arm"], r["seed"]) == (arm, sd)])) for sd in seeds
+    ]
+
+
+def summarize(cfg: Config, rows: list[dict]) -> tuple[dict, dict]:
+    pairs = [(a, "none") for a in cfg.arms if a != "none"]
+    if "zclip" in cfg.arms and "clip_1.0" in cfg.arms:
+        pairs.append(("zclip", "clip_1.0"))
+    effects, remedies = {}, {}
+    for a, b in pairs:
+        e = stats.paired_effect(
+            per_seed(rows, a, "bursts", cfg.seeds), per_seed(rows, b, "bursts", cfg.seeds), "bursts"
+        )
+        # Against no clipping the rate rises from 0; against fixed clipping ZClip's own
+        # rate must be above 0 (it acted at all).
+        other = per_seed(rows, b, "clip_rate", cfg.seeds) if b == "none" else [0.0] * len(cfg.seeds)
+        mech = stats.moved(per_seed(rows, a, "clip_rate", cfg.seeds), other, direction=+1)
+        name = f"{a} vs {b}"
+        effects[name] = {"bursts": e, "mechanism": mech}
+        remedies[name] = stats.remedy(
+            "bursts summed over the LR grid",
+            e,
+            mech,
+            "clip rate (summed over the grid; vs clip_1.0: zclip's own rate > 0)",
+        )
+    top = [r for r in rows if r["arm"] == "none" and r["lr"] == max(cfg.lrs)]
+    summary = stats.summary(
+        instability_reproduced=any(r["failed"] for r in top)
+        or float(np.mean([r["bursts"] for r in top])) >= 0.05 * cfg.steps,
+        failure_metric="bursts (loss > 1.5x running min) >= 5% of steps, or final > init, "
+        "no clipping at the top LR",
+        remedies=remedies,
+        seeds=len(cfg.seeds),
+        sizes=[f"d{cfg.d_model}x{cfg.n_layers}"],
     )
+    return summary, effects
+
+
+def tables(cfg: Config, rows: list[dict], effects: dict) -> str:
+    t = []
+    for a in cfg.arms:
+        row = {"arm": a}
+        for lr in cfg.lrs:
+            rr = [r for r in rows if (r["arm"], r["lr"]) == (a, lr)]
+            row[f"lr {lr:g}: final loss"] = f"{np.mean([r['final_loss'] for r in rr]):.3f}"
+            row[f"lr {lr:g}: bursts"] = f"{np.mean([r['bursts'] for r in rr]):.1f}"
+            row[f"lr {lr:g}: clip rate"] = f"{np.mean([r['clip_rate'] for r in rr]):.2f}"
+        t.append(row)
+    e = [
+        {
+            "pair": k,
+            "Δ bursts [95% CI]": common.fmt_ci(v["bursts"], 1),
+            "Δ clip rate [95% CI]": common.fmt_ci(v["mechanism"], 2),
+        }
+        for k, v in effects.items()
+    ]
+    return (
+        f"Seed means over {len(cfg.seeds)} seeds, {cfg.steps} steps\n\n"
+        + common.markdown_table(t)
+        + "\nPaired per-seed differences, 95 % bootstrap intervals\n\n"
+        + common.markdown_table(e)
+    )
+
+
+def main(argv=None) -> dict:
+    cfg, args = cli.parse_config(Config, argv, __doc__.splitlines()[0], name="clipping")
+    cli.init_distributed(args)
+    t0 = time.perf_counter()
+    out = pathlib.Path(args.out)
+    total = len(cfg.arms) * len(cfg.lrs) * len(cfg.seeds) * cfg.steps
+    bar = common.progress_bar(total, "clipping", disable=args.no_progress)
+    try:
+        rows, curves = run(cfg, bar)
+    finally:
+        bar.close()
+    summary, effects = summarize(cfg, rows)
+    table = tables(cfg, rows, effects)
     res = {
         "rows": rows,
-        "summary": summary,
-        "losses": {f"{a}@{sd}": v for (a, sd), v in curves.items()},
+        "effects": effects,
+        "losses_top_lr_every_5": {a: c[:, ::5] for a, c in curves.items()},
     }
-    common.write_results(out, config=cfg, results=res, table=table, title="Clipping and skipping")
-    plt = common.pyplot()
-    fig, ax = plt.subplots(figsize=(8, 4.5))
-    for i, a in enumerate(cfg.arms):
-        y = np.asarray(curves[(a, cfg.seeds[0])], dtype=float)
-        ax.plot(y, lw=0.9, color=f"C{i}", label=a)
-        for st in next(
-            r["spike_steps"] for r in rows if r["arm"] == a and r["seed"] == cfg.seeds[0]
-        ):
-            ax.axvline(st, color=f"C{i}", ls=":", lw=0.8)
-    ax.set_xlabel("step")
-    ax.set_ylabel("training loss (nats/byte)")
-    ax.set_ylim(0, 8)
-    ax.set_title(f"Training loss at lr {cfg.lr:g}, seed {cfg.seeds[0]} (dotted: detected spikes)")
-    ax.legend(fontsize=8)
-    ax.grid(alpha=0.3)
-    common.save_figure(fig, out / "loss.png")
-    plt.close(fig)
+    common.write_results(
+        out,
+        config=cfg,
+        results=res,
+        table=table,
+        title="Clipping against loss bursts",
+        summary=summary,
+        command=args.command,
+        wall_s=time.perf_counter() - t0,
+    )
+    plots.curves(
+        {f"lr {max(cfg.lrs):g}, {a}": {"loss": c} for a, c in curves.items()},
+        path=out / "loss.png",
+        xlabel="step",
+        ylabel="training loss (nats/byte)",
+        logy=True,
+    )
+    plots.groups_vs_x(
+        rows,
+        x="lr",
+        y="bursts",
+        group="arm",
+        path=out / "bursts_vs_lr.png",
+        title="bursts (loss > 1.5x running min)",
+        xlabel="peak learning rate",
+        ylabel="bursts per run",
+    )
     print(table)
     return res
 

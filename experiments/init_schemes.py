@@ -1,14 +1,18 @@
-"""Initialisation schemes on a deep, narrow model at a high learning rate.
+"""Initialisation schemes on a deep, narrow model at high learning rates.
 
-A 12-layer, 32-wide reference model trained under each scheme of :mod:`stabljax.init`
-named here: 0.02 everywhere (``fixed:0.02``), GPT-2's 0.02 with residual outputs scaled
-by 1/√(2L) (``gpt2``), Nguyen & Salazar's small init (``small_init``), and per-layer
-depth scaling (``depth_scaled``). Before training, :func:`stabljax.check_init` reports the
-residual growth and flags; during training the per-block residual RMS is measured.
-Reports the final loss, the growth exponent λ = (1/L)·log(‖h_L‖/‖h_0‖) at init and at the
-end, and what ``check_init`` said.
+A 12-layer, 32-wide reference model (no clipping, no weight decay) trained under each
+scheme of :mod:`stabljax.init` named here: 0.02 everywhere (``fixed:0.02``, the
+unremedied arm), GPT-2's 0.02 with residual outputs scaled by 1/√(2L) (``gpt2``), Nguyen &
+Salazar's small init (``small_init``) and per-layer depth scaling (``depth_scaled``).
+Before training :func:`stabljax.check_init` reports the residual growth and its flags;
+during training every step records the loss and the largest residual-stream RMS.
 
-    python -m experiments.init_schemes [--quick] [--schemes gpt2 small_init] [--lr 0.03]
+Failure metric: bursts (steps whose loss exceeds 1.5× its running minimum) summed over
+the LR grid per seed; effects are paired per seed against ``fixed:0.02`` with 95 %
+bootstrap intervals, the mechanism being the residual growth (log of the largest
+residual RMS over training). The loss curves of every run are saved.
+
+    python -m experiments.init_schemes [--quick] [--schemes gpt2 small_init] [--lrs 0.3 1]
 
 (``python -m experiments.init`` is the same experiment under its short name.)
 
@@ -24,6 +28,7 @@ from __future__ import annotations
 import dataclasses
 import pathlib
 import sys
+import time
 
 if __package__ in (None, ""):
     sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
@@ -31,131 +36,193 @@ if __package__ in (None, ""):
 import numpy as np
 
 import stabljax
-from experiments import common
+from experiments import cli, common, plots, proxy, stats
+from experiments.trainer import Trainer
 
 SCHEMES = ("fixed:0.02", "gpt2", "small_init", "depth_scaled")
 
 
 @dataclasses.dataclass(frozen=True)
-class Config(common.SweepConfig):
+class Config(proxy.SweepConfig):
     n_layers: int = 12
-    lr: float = 3e-2
+    n_heads: int = 2
+    weight_decay: float = 0.0
+    lrs: tuple[float, ...] = (0.1, 1.0)
     schemes: tuple[str, ...] = SCHEMES
-    aux_every: int = 10
 
     @classmethod
     def quick(cls):
-        base = {**dataclasses.asdict(common.SweepConfig.quick()), "n_layers": 3}
-        return cls(**base, aux_every=2)
+        base = {**dataclasses.asdict(proxy.SweepConfig.quick()), "n_layers": 3}
+        return cls(**base, lrs=(1.0,), schemes=("fixed:0.02", "gpt2"))
 
 
-def growth(rms) -> float:
-    rms = np.asarray(rms, dtype=float)
-    return float(np.log(rms[-1] / rms[0]) / (len(rms) - 1))
-
-
-def check(s: common.Setup, scheme: str, seed: int, apply_fn=None) -> stabljax.InitReport:
-    """``check_init`` on the model the run starts from (same seed, same first batch).
-
-    ``apply_fn`` (``nnx_apply(model, return_aux=True)`` of any model of this shape) is
-    reused across schemes and seeds: the scheme sets the params, not the forward pass,
-    and ``check_init`` compiles once per ``apply_fn``.
-    """
+def check(s: proxy.Setup, scheme: str, seed: int, apply_fn) -> stabljax.InitReport:
+    """``check_init`` on the model the run starts from (same seed, same first batch)."""
     s = dataclasses.replace(s, init_scheme=scheme, seed=seed)
-    model, params = common.initial_model(s)
-    if apply_fn is None:
-        apply_fn, _ = stabljax.nnx_apply(model, return_aux=True)
-    return stabljax.check_init(apply_fn, params, common.corpus_batches(s)(0))
+    _, params = proxy.initial_model(s)
+    return stabljax.check_init(apply_fn, params, proxy.corpus_batches(s)(0))
+
+
+def run(cfg: Config, bar) -> tuple[list[dict], dict]:
+    s = cfg.setup(clip=0.0)
+    probe = stabljax.nnx_apply(proxy.initial_model(s)[0], return_aux=True)[0]
+    reports = {(sc, sd): check(s, sc, sd, probe) for sc in cfg.schemes for sd in cfg.seeds}
+    specs = [
+        {"seed": sd, "learning_rate": lr, "overrides": {"init_scheme": sc}}
+        for sc in cfg.schemes
+        for lr in cfg.lrs
+        for sd in cfg.seeds
+    ]
+    r = Trainer(s).run_many(specs, progress=bar.update)  # the scheme sets values: one program
+    m, rows = r.metrics, []
+    for i, sp in enumerate(r.specs):
+        sc = sp["overrides"]["init_scheme"]
+        rep = reports[(sc, sp["seed"])]
+        rows.append(
+            {
+                "scheme": sc,
+                "lr": sp["learning_rate"],
+                "seed": sp["seed"],
+                "init_loss": float(r.init_loss[i]),
+                "final_loss": common.finite_or_nan(r.final_loss[i]),
+                "failed": stats.failed(r.final_loss[i], r.init_loss[i]),
+                "bursts": stats.burst_count(m["loss"][i]),
+                "check_ok": bool(rep.ok),
+                "check_flags": [f.name for f in rep.flags],
+                "growth_init": float(rep.growth_exponent),
+                "log_max_residual_rms": float(np.log(np.nanmax(m["max_residual_rms"][i]))),
+            }
+        )
+    curves = {
+        (sc, lr): m["loss"][
+            [
+                i
+                for i, sp in enumerate(r.specs)
+                if sp["overrides"]["init_scheme"] == sc and sp["learning_rate"] == lr
+            ]
+        ]
+        for sc in cfg.schemes
+        for lr in cfg.lrs
+    }
+    return rows, curves
+
+
+def per_seed(rows, sc, key, seeds):
+    return [
+        float(np.sum([r[key] for r in rows if (r["scheme"], r["seed"]) == (sc, sd)]))
+        for sd in seeds
+    ]
+
+
+def summarize(cfg: Config, rows: list[dict]) -> tuple[dict, dict]:
+    base = cfg.schemes[0]
+    effects, remedies = {}, {}
+    for sc in cfg.schemes[1:]:
+        e = stats.paired_effect(
+            per_seed(rows, sc, "bursts", cfg.seeds),
+            per_seed(rows, base, "bursts", cfg.seeds),
+            "bursts",
+        )
+        mech = stats.moved(
+            per_seed(rows, sc, "log_max_residual_rms", cfg.seeds),
+            per_seed(rows, base, "log_max_residual_rms", cfg.seeds),
+        )
+        effects[sc] = {"bursts": e, "mechanism": mech}
+        remedies[f"{sc} vs {base}"] = stats.remedy(
+            "bursts summed over the LR grid", e, mech, "log max residual RMS (summed over grid)"
+        )
+    flagged = [r["bursts"] for r in rows if not r["check_ok"]]
+    clean = [r["bursts"] for r in rows if r["check_ok"]]
+    effects["check_init"] = {
+        "flagged_runs": len(flagged),
+        "unflagged_runs": len(clean),
+        "mean_bursts_flagged": float(np.mean(flagged)) if flagged else float("nan"),
+        "mean_bursts_unflagged": float(np.mean(clean)) if clean else float("nan"),
+    }
+    b = [r for r in rows if r["scheme"] == base]
+    summary = stats.summary(
+        instability_reproduced=any(r["failed"] for r in b)
+        or float(np.mean([r["bursts"] for r in b])) >= 0.05 * cfg.steps,
+        failure_metric="bursts >= 5% of steps or final > init, fixed:0.02 init",
+        remedies=remedies,
+        seeds=len(cfg.seeds),
+        sizes=[f"d{cfg.d_model}x{cfg.n_layers}"],
+    )
+    return summary, effects
+
+
+def tables(cfg: Config, rows: list[dict], effects: dict) -> str:
+    t = []
+    for sc in cfg.schemes:
+        rr = [r for r in rows if r["scheme"] == sc]
+        flags = sorted({f for r in rr for f in r["check_flags"]})
+        row = {
+            "scheme": sc,
+            "check_init": "ok" if not flags else ", ".join(flags),
+            "λ at init": f"{np.mean([r['growth_init'] for r in rr]):.3f}",
+        }
+        for lr in cfg.lrs:
+            q = [r for r in rr if r["lr"] == lr]
+            row[f"lr {lr:g}: final"] = f"{np.mean([r['final_loss'] for r in q]):.3f}"
+            row[f"lr {lr:g}: bursts"] = f"{np.mean([r['bursts'] for r in q]):.1f}"
+        t.append(row)
+    e = [
+        {
+            "scheme vs " + cfg.schemes[0]: k,
+            "Δ bursts [95% CI]": common.fmt_ci(v["bursts"], 1),
+            "Δ log max residual RMS [95% CI]": common.fmt_ci(v["mechanism"], 2),
+        }
+        for k, v in effects.items()
+        if k != "check_init"
+    ]
+    c = effects["check_init"]
+    return (
+        f"{cfg.n_layers} layers × d_model {cfg.d_model}, {cfg.steps} steps, no clipping; "
+        f"means over {len(cfg.seeds)} seeds\n\n"
+        + common.markdown_table(t)
+        + "\nPaired per-seed differences, 95 % bootstrap intervals\n\n"
+        + common.markdown_table(e)
+        + f"\ncheck_init flagged {c['flagged_runs']} runs (mean bursts "
+        f"{c['mean_bursts_flagged']:.1f}) and passed {c['unflagged_runs']} (mean bursts "
+        f"{c['mean_bursts_unflagged']:.1f}).\n"
+    )
 
 
 def main(argv=None) -> dict:
-    cfg, args = common.parse_config(Config, argv, __doc__.splitlines()[0], name="init")
-    common.init_distributed(args)
+    cfg, args = cli.parse_config(Config, argv, __doc__.splitlines()[0], name="init_schemes")
+    cli.init_distributed(args)
+    t0 = time.perf_counter()
     out = pathlib.Path(args.out)
-    s = cfg.setup(lr=cfg.lr)
-    trainer = common.Trainer(s)  # the scheme changes values, not shapes: one compile
-    cells = [{"scheme": sc, "seed": sd} for sc in cfg.schemes for sd in cfg.seeds]
-    curves = {}
-
-    probe = stabljax.nnx_apply(common.initial_model(s)[0], return_aux=True)[0]
-
-    def run_cell(c, advance):
-        rep = check(s, c["scheme"], c["seed"], probe)
-        r = trainer.run(
-            c["seed"],
-            learning_rate=cfg.lr,
-            aux_every=cfg.aux_every,
-            progress=advance,
-            overrides={"init_scheme": c["scheme"]},
-        )
-        rms = r.metrics["residual_rms"]
-        curves[(c["scheme"], c["seed"])] = {
-            "loss": r.metrics["loss"],
-            "rms_init": rms[0],
-            "rms_end": rms[-1],
-        }
-        return {
-            **c,
-            "final_loss": common.finite_or_nan(r.eval_loss),
-            "init_loss": r.init_loss,
-            "check_ok": rep.ok,
-            "check_flags": [f.name for f in rep.flags],
-            "check_messages": [f"{f.message} Fix: {f.fix}" for f in rep.flags],
-            "growth_init": rep.growth_exponent,
-            "growth_end": growth(rms[-1]),
-            "residual_rms_init": rms[0],
-            "residual_rms_end": rms[-1],
-            "max_attn_logit": float(np.nanmax(r.metrics["max_attn_logit"])),
-        }
-
-    rows = common.sweep(cells, run_cell, steps=cfg.steps, desc="init", disable=args.no_progress)
-    table = []
-    for sc in cfg.schemes:
-        rr = [r for r in rows if r["scheme"] == sc]
-        fl = common.mean_spread([r["final_loss"] for r in rr])
-        flags = sorted({f for r in rr for f in r["check_flags"]})
-        table.append(
-            {
-                "scheme": sc,
-                "check_init": "ok" if not flags else "flags: " + ", ".join(flags),
-                "λ at init": float(np.mean([r["growth_init"] for r in rr])),
-                "λ at end": float(np.mean([r["growth_end"] for r in rr])),
-                "max attn logit": float(np.mean([r["max_attn_logit"] for r in rr])),
-                "final loss": "diverged"
-                if not np.isfinite(fl[0])
-                else f"{fl[0]:.3f} ± {fl[1]:.3f}",
-            }
-        )
-    table = (
-        f"{cfg.n_layers} layers × d_model {cfg.d_model}, lr {cfg.lr:g}, {cfg.steps} steps; "
-        f"means over seeds {list(cfg.seeds)} (loss: ± half-range)\n\n"
-        + common.markdown_table(table)
+    total = len(cfg.schemes) * len(cfg.lrs) * len(cfg.seeds) * cfg.steps
+    bar = common.progress_bar(total, "init", disable=args.no_progress)
+    try:
+        rows, curves = run(cfg, bar)
+    finally:
+        bar.close()
+    summary, effects = summarize(cfg, rows)
+    table = tables(cfg, rows, effects)
+    res = {
+        "rows": rows,
+        "effects": effects,
+        "losses": {f"{sc}@{lr:g}": c for (sc, lr), c in curves.items()},
+    }
+    common.write_results(
+        out,
+        config=cfg,
+        results=res,
+        table=table,
+        title="Initialisation schemes",
+        summary=summary,
+        command=args.command,
+        wall_s=time.perf_counter() - t0,
     )
-    res = {"rows": rows}
-    common.write_results(out, config=cfg, results=res, table=table, title="Initialisation schemes")
-    plt = common.pyplot()
-    fig, (ax, bx) = plt.subplots(1, 2, figsize=(11, 4))
-    for i, sc in enumerate(cfg.schemes):
-        c = curves[(sc, cfg.seeds[0])]
-        ax.plot(np.asarray(c["rms_init"]), "--", color=f"C{i}", lw=1)
-        ax.plot(np.asarray(c["rms_end"]), "-", color=f"C{i}", label=sc)
-        bx.plot(np.asarray(c["loss"], dtype=float), lw=0.9, color=f"C{i}", label=sc)
-    ax.set(
-        xlabel="block (0 = embedding)",
-        ylabel="residual RMS",
-        yscale="log",
-        title="Residual stream RMS: init (dashed), end (solid)",
-    )
-    bx.set(
+    plots.curves(
+        {f"lr {lr:g}": {sc: curves[(sc, lr)] for sc in cfg.schemes} for lr in cfg.lrs},
+        path=out / "init.png",
         xlabel="step",
         ylabel="training loss (nats/byte)",
-        title=f"Training loss, seed {cfg.seeds[0]}",
+        logy=True,
     )
-    for x in (ax, bx):
-        x.grid(alpha=0.3)
-        x.legend(fontsize=8)
-    common.save_figure(fig, out / "init.png")
-    plt.close(fig)
     print(table)
     return res
 

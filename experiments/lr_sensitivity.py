@@ -1,13 +1,17 @@
-"""Wortsman et al.'s small-scale proxy: final loss vs learning rate, with and without remedies.
+"""Wortsman et al.'s small-scale proxy: LR sensitivity against model size, with remedies.
 
-Trains the reference pre-LN decoder (AdamW 0.9/0.95, eps 1e-8, clip 1.0, 5% warmup then
-cosine, weight decay off) over a log-spaced learning-rate grid up to 1.0, in four arms:
-``base``, ``qk_norm`` (LayerNorm on queries and keys), ``z_loss`` (1e-4·log²Z) and
-``both``. Reports the final held-out loss per LR per arm, each arm's LR sensitivity
-(mean over the grid of min(loss, loss at init) minus the best loss of the grid) with its
-spread over seeds, the max attention logit and the mean log Z over training.
+Trains the reference pre-LN decoder (AdamW 0.9/0.95, eps 1e-8, 5 % warmup then cosine)
+with **no weight decay and no gradient clipping**, so the attention logits and the output
+logits are free to grow (the two failures Wortsman et al. study), over a log-spaced
+learning-rate grid from 0.3 to 10, at three widths (depth and heads scaled with them), in four
+arms: ``base``, ``qk_norm`` (LayerNorm on queries and keys), ``z_loss`` (1e-4·log²Z) and
+``both``. Reports per size and arm the final held-out loss per LR and the LR sensitivity
+(mean over the grid of min(loss, loss at init) minus the best loss of the grid), and as
+mechanisms the max attention logit and the mean log Z over the last 10 % of steps.
 
-    python -m experiments.lr_sensitivity [--quick] [--lrs 1e-3 1e-2 1e-1 1] [--seeds 0 1 2]
+Remedy effects are paired per seed (arm − base), with 95 % bootstrap intervals.
+
+    python -m experiments.lr_sensitivity [--quick] [--lrs 0.1 1 10] [--seeds 0 1 2 3 4]
 
 References:
   Wortsman et al., `Small-scale proxies for large-scale Transformer training instabilities
@@ -19,13 +23,15 @@ from __future__ import annotations
 import dataclasses
 import pathlib
 import sys
+import time
 
 if __package__ in (None, ""):
     sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
 import numpy as np
 
-from experiments import common
+from experiments import cli, common, plots, proxy, stats
+from experiments.trainer import Trainer
 
 ARMS = {
     "base": {},
@@ -33,165 +39,267 @@ ARMS = {
     "z_loss": {"z_loss": 1e-4},
     "both": {"qk_norm": True, "z_loss": 1e-4},
 }
+#: What each remedy acts on: (metric key, the arm's component that targets it).
+MECHANISM = {"qk_norm": "log10_max_attn_logit", "z_loss": "late_log_z", "both": "late_log_z"}
 
 
 @dataclasses.dataclass(frozen=True)
-class Config(common.SweepConfig):
+class Config(proxy.SweepConfig):
+    steps: int = 200
     weight_decay: float = 0.0
-    lrs: tuple[float, ...] = common.log_grid(1e-3, 1.0, 6)
+    clip: float = 0.0
+    lrs: tuple[float, ...] = (0.3, 1.0, 3.0, 10.0)
     arms: tuple[str, ...] = tuple(ARMS)
-    aux_every: int = 10
-    unstable_frac: float = 0.1
+    widths: tuple[int, ...] = (32, 48, 64)
+    depths: tuple[int, ...] = (1, 2, 3)
+    heads: tuple[int, ...] = (2, 4, 4)
 
     @classmethod
     def quick(cls):
-        # base and both: "both" runs the qk-layernorm and the z-loss code; one compile
-        # per arm is most of a quick run's time.
-        base = common.SweepConfig.quick()
-        return cls(**dataclasses.asdict(base), lrs=(1e-2, 1.0), arms=("base", "both"), aux_every=2)
+        q = dataclasses.asdict(proxy.SweepConfig.quick())
+        return cls(
+            **q,
+            lrs=(1e-2, 1.0),
+            arms=("base", "both"),
+            widths=(16, 32),
+            depths=(1, 1),
+            heads=(2, 2),
+        )
+
+    def sizes(self) -> list[dict]:
+        if not len(self.widths) == len(self.depths) == len(self.heads):
+            raise ValueError("widths, depths and heads must have one length")
+        return [
+            {"d_model": d, "n_layers": L, "n_heads": h}
+            for d, L, h in zip(self.widths, self.depths, self.heads, strict=True)
+        ]
 
 
-def is_unstable(loss: float, best: float, init: float, frac: float) -> bool:
-    """Non-finite, or more than ``frac`` of the way from the grid's best loss back to init."""
-    return not np.isfinite(loss) or loss > best + frac * (init - best)
+def size_name(z: dict) -> str:
+    return f"d{z['d_model']}x{z['n_layers']}"
 
 
-def run(cfg: Config, progress: bool = True) -> dict:
+def run(cfg: Config, bar) -> tuple[list[dict], dict]:
     rows, curves = [], {}
-    trainers = {arm: common.Trainer(cfg.setup(**ARMS[arm])) for arm in cfg.arms}
-    cells = [
-        {"arm": a, "lr": lr, "seed": sd} for a in cfg.arms for lr in cfg.lrs for sd in cfg.seeds
+    specs = [{"seed": sd, "learning_rate": lr} for lr in cfg.lrs for sd in cfg.seeds]
+    late = max(1, cfg.steps // 10)
+    for z in cfg.sizes():
+        for arm in cfg.arms:
+            bar.set_postfix_str(f"{size_name(z)} {arm}")
+            r = Trainer(cfg.setup(clip=cfg.clip, **z, **ARMS[arm])).run_many(
+                specs, progress=bar.update
+            )
+            m = r.metrics
+            for i, sp in enumerate(r.specs):
+                rows.append(
+                    {
+                        "size": size_name(z),
+                        "arm": arm,
+                        "lr": sp["learning_rate"],
+                        "seed": sp["seed"],
+                        "init_loss": float(r.init_loss[i]),
+                        "final_loss": common.finite_or_nan(r.final_loss[i]),
+                        "failed": stats.failed(r.final_loss[i], r.init_loss[i]),
+                        "bursts": stats.burst_count(m["loss"][i]),
+                        "max_attn_logit": float(np.nanmax(m["max_attn_logit"][i])),
+                        "log10_max_attn_logit": float(np.log10(np.nanmax(m["max_attn_logit"][i]))),
+                        "late_log_z": float(np.nanmean(m["log_z"][i, -late:])),
+                    }
+                )
+            top = r.index(learning_rate=max(cfg.lrs))
+            curves[(size_name(z), arm)] = {
+                "max_attn_logit": m["max_attn_logit"][top],
+                "log_z": m["log_z"][top],
+            }
+    return rows, curves
+
+
+def sensitivity(rows, size, arm, seeds) -> list[float]:
+    out = []
+    for sd in seeds:
+        rr = [r for r in rows if r["size"] == size and r["arm"] == arm and r["seed"] == sd]
+        out.append(stats.lr_sensitivity([r["final_loss"] for r in rr], rr[0]["init_loss"]))
+    return out
+
+
+def mech(rows, size, arm, seeds, key) -> list[float]:
+    """The mechanism per seed: its mean over the LR grid."""
+    return [
+        float(
+            np.mean([r[key] for r in rows if (r["size"], r["arm"], r["seed"]) == (size, arm, sd)])
+        )
+        for sd in seeds
     ]
 
-    def run_cell(c, advance):
-        r = trainers[c["arm"]].run(
-            c["seed"], learning_rate=c["lr"], aux_every=cfg.aux_every, progress=advance
-        )
-        m = r.metrics
-        curves[(c["arm"], c["lr"], c["seed"])] = common.curve_summary(r, every=2)
-        return {
-            **c,
-            "final_loss": common.finite_or_nan(r.eval_loss),
-            "init_loss": r.init_loss,
-            "max_attn_logit": float(np.nanmax(m["max_attn_logit"])),
-            "final_attn_logit": float(m["max_attn_logit"][-1]),
-            "mean_log_z": float(np.mean(m["log_z"])),
-            "final_log_z": float(m["log_z"][-1]),
-        }
 
-    rows = common.sweep(
-        cells, run_cell, steps=cfg.steps, desc="lr_sensitivity", disable=not progress
-    )
-    sens = {}
-    for arm in cfg.arms:
-        per_seed = []
-        for sd in cfg.seeds:
-            rr = [r for r in rows if r["arm"] == arm and r["seed"] == sd]
-            per_seed.append(
-                common.lr_sensitivity([r["final_loss"] for r in rr], rr[0]["init_loss"])
-            )
-        mean, spread = common.mean_spread(per_seed)
-        sens[arm] = {"per_seed": per_seed, "mean": mean, "spread": spread}
-    return {"rows": rows, "sensitivity": sens, "curves": curves}
-
-
-def stable_pair(cfg: Config, rows: list[dict], arm: str = "base") -> tuple[float, float | None]:
-    """Above the best LR of ``arm``: the largest stable LR and the first unstable one.
-
-    Unstable: :func:`is_unstable` on the seed-mean loss. ``None`` when no LR above the best
-    one is unstable.
-    """
-    mean = {
-        lr: np.mean([r["final_loss"] for r in rows if r["arm"] == arm and r["lr"] == lr])
-        for lr in cfg.lrs
-    }
-    init = np.mean([r["init_loss"] for r in rows if r["arm"] == arm])
-    best_lr = min((lr for lr in cfg.lrs if np.isfinite(mean[lr])), key=mean.get)
-    stable = best_lr
-    for lr in cfg.lrs:
-        if lr <= best_lr:
-            continue
-        if is_unstable(mean[lr], mean[best_lr], init, cfg.unstable_frac):
-            return stable, lr
-        stable = lr
-    return stable, None
-
-
-def tables(cfg: Config, res: dict) -> str:
-    rows = res["rows"]
-
-    def cell(arm, lr, key):
-        v = [r[key] for r in rows if r["arm"] == arm and r["lr"] == lr]
-        m, sp = common.mean_spread(v)
-        return "diverged" if not np.isfinite(m) else f"{m:.3f} ± {sp:.3f}"
-
-    out = ["## Final held-out loss (mean ± half-range over seeds)\n"]
-    t = []
-    for arm in cfg.arms:
-        s = res["sensitivity"][arm]
-        t.append(
-            {"arm": arm}
-            | {f"lr {lr:g}": cell(arm, lr, "final_loss") for lr in cfg.lrs}
-            | {"LR sensitivity": f"{s['mean']:.3f} ± {s['spread']:.3f}"}
-        )
-    out.append(common.markdown_table(t))
-    for key, title in (
-        ("max_attn_logit", "Max attention logit over training"),
-        ("mean_log_z", "Mean log Z over training"),
-    ):
-        out.append(f"\n## {title} (mean ± half-range over seeds)\n")
-        out.append(
-            common.markdown_table(
-                [{"arm": a} | {f"lr {lr:g}": cell(a, lr, key) for lr in cfg.lrs} for a in cfg.arms]
-            )
-        )
-    return "\n".join(out)
-
-
-def plot_curves(cfg: Config, res: dict, lrs: list[float], path: pathlib.Path) -> None:
-    plt = common.pyplot()
-    fig, axes = plt.subplots(2, len(lrs), figsize=(5 * len(lrs), 6.5), squeeze=False)
-    seed = cfg.seeds[0]
-    for j, lr in enumerate(lrs):
+def summarize(cfg: Config, rows: list[dict]) -> tuple[dict, dict]:
+    sizes = [size_name(z) for z in cfg.sizes()]
+    effects = {}
+    for size in sizes:
+        base = sensitivity(rows, size, "base", cfg.seeds)
+        effects[size] = {"base_sensitivity": stats.interval(base)}
         for arm in cfg.arms:
-            c = res["curves"][(arm, lr, seed)]
-            axes[0, j].plot(c["attn_step"], c["max_attn_logit"], label=arm)
-            axes[1, j].plot(np.arange(len(c["log_z"])) * c["every"], c["log_z"], label=arm)
-        axes[0, j].set_title(f"lr {lr:g}: max attention logit")
-        axes[1, j].set_title(f"lr {lr:g}: mean log Z of the output")
-        axes[1, j].set_xlabel("step")
-        for ax in axes[:, j]:
-            ax.grid(alpha=0.3)
-            ax.legend(fontsize=8)
-    common.save_figure(fig, path)
-    plt.close(fig)
+            if arm == "base":
+                continue
+            key = MECHANISM[arm]
+            effects[size][arm] = {
+                "sensitivity": stats.paired_effect(
+                    sensitivity(rows, size, arm, cfg.seeds), base, "LR sensitivity"
+                ),
+                "mechanism": stats.moved(
+                    mech(rows, size, arm, cfg.seeds, key), mech(rows, size, "base", cfg.seeds, key)
+                )
+                | {"metric": key},
+                "arm_sensitivity": stats.interval(sensitivity(rows, size, arm, cfg.seeds)),
+            }
+    big = sizes[-1]
+    remedies = {
+        f"{arm} @ {big}": stats.remedy(
+            "LR sensitivity", e["sensitivity"], e["mechanism"], e["mechanism"]["metric"]
+        )
+        for arm, e in effects[big].items()
+        if arm != "base_sensitivity"
+    }
+    top = [r for r in rows if r["arm"] == "base" and r["lr"] == max(cfg.lrs)]
+    summary = stats.summary(
+        instability_reproduced=any(r["failed"] for r in top),
+        failure_metric="final loss > init or non-finite, base arm at the top LR",
+        remedies=remedies,
+        seeds=len(cfg.seeds),
+        sizes=sizes,
+    )
+    return summary, effects
+
+
+def tables(cfg: Config, rows: list[dict], effects: dict) -> str:
+    t, e = [], []
+    for size, eff in effects.items():
+        for arm in cfg.arms:
+            row = {"size": size, "arm": arm}
+            for lr in cfg.lrs:
+                rr = [r for r in rows if (r["size"], r["arm"], r["lr"]) == (size, arm, lr)]
+                v = np.mean([r["final_loss"] for r in rr])
+                row[f"lr {lr:g}"] = f"{v:.3f}" + (
+                    f" ({sum(r['failed'] for r in rr)} failed)"
+                    if any(r["failed"] for r in rr)
+                    else ""
+                )
+            row["max attn logit (grid mean, log10)"] = (
+                f"{np.mean(mech(rows, size, arm, cfg.seeds, 'log10_max_attn_logit')):.2f}"
+            )
+            row["late log Z (grid mean)"] = (
+                f"{np.mean(mech(rows, size, arm, cfg.seeds, 'late_log_z')):.2f}"
+            )
+            t.append(row)
+        b = eff["base_sensitivity"]
+        e.append(
+            {
+                "size": size,
+                "arm": "base",
+                "LR sensitivity": f"{b['mean']:.3f} [{b['ci95'][0]:.3f}, {b['ci95'][1]:.3f}]",
+            }
+        )
+        for arm, v in eff.items():
+            if arm == "base_sensitivity":
+                continue
+            s = v["arm_sensitivity"]
+            e.append(
+                {
+                    "size": size,
+                    "arm": arm,
+                    "LR sensitivity": f"{s['mean']:.3f} [{s['ci95'][0]:.3f}, {s['ci95'][1]:.3f}]",
+                    "Δ vs base [95% CI]": common.fmt_ci(v["sensitivity"]),
+                    f"Δ {v['mechanism']['metric']} [95% CI]": common.fmt_ci(v["mechanism"], 2),
+                }
+            )
+    return (
+        f"Seed-mean final held-out loss, {len(cfg.seeds)} seeds, {cfg.steps} steps\n\n"
+        + common.markdown_table(t)
+        + "\nLR sensitivity (mean [95 % bootstrap CI]) and paired differences vs base\n\n"
+        + common.markdown_table(e, columns=list(e[1]) if len(e) > 1 else None)
+    )
 
 
 def main(argv=None) -> dict:
-    cfg, args = common.parse_config(Config, argv, __doc__.splitlines()[0], name="lr_sensitivity")
-    common.init_distributed(args)
+    cfg, args = cli.parse_config(Config, argv, __doc__.splitlines()[0], name="lr_sensitivity")
+    cli.init_distributed(args)
+    t0 = time.perf_counter()
     out = pathlib.Path(args.out)
-    res = run(cfg, progress=not args.no_progress)
-    stable, unstable = stable_pair(cfg, res["rows"])
-    res["base_largest_stable_lr"], res["base_first_unstable_lr"] = stable, unstable
-    table = tables(cfg, res)
-    curves = res.pop("curves")
-    res["curves_seed0"] = {
-        f"{a}@{lr:g}": v for (a, lr, sd), v in curves.items() if sd == cfg.seeds[0]
+    total = len(cfg.sizes()) * len(cfg.arms) * len(cfg.lrs) * len(cfg.seeds) * cfg.steps
+    bar = common.progress_bar(total, "lr_sensitivity", disable=args.no_progress)
+    try:
+        rows, curves = run(cfg, bar)
+    finally:
+        bar.close()
+    summary, effects = summarize(cfg, rows)
+    table = tables(cfg, rows, effects)
+    res = {
+        "rows": rows,
+        "effects": effects,
+        "curves_top_lr_every_5": {
+            f"{s}/{a}": {k: v[:, ::5] for k, v in c.items()} for (s, a), c in curves.items()
+        },
     }
-    common.write_results(out, config=cfg, results=res, table=table, title="LR sensitivity")
-    common.plot_groups(
-        res["rows"],
+    common.write_results(
+        out,
+        config=cfg,
+        results=res,
+        table=table,
+        title="LR sensitivity against model size",
+        summary=summary,
+        command=args.command,
+        wall_s=time.perf_counter() - t0,
+    )
+    sens_rows = [
+        {"size_i": i, "arm": arm, "seed": sd, "sens": v}
+        for i, size in enumerate(effects)
+        for arm in cfg.arms
+        for sd, v in zip(cfg.seeds, sensitivity(rows, size, arm, cfg.seeds), strict=True)
+    ]
+    plots.groups_vs_x(
+        sens_rows,
+        x="size_i",
+        y="sens",
+        group="arm",
+        path=out / "sensitivity_vs_size.png",
+        title="LR sensitivity vs size (x: "
+        + ", ".join(f"{i}={s}" for i, s in enumerate(effects))
+        + ")",
+        xlabel="model size index",
+        ylabel="LR sensitivity (nats/byte)",
+        logx=False,
+    )
+    plots.groups_vs_x(
+        rows,
         x="lr",
         y="final_loss",
         group="arm",
+        panel="size",
         path=out / "loss_vs_lr.png",
-        title="Final held-out loss vs learning rate (band: seeds min-max)",
+        title="final held-out loss",
         xlabel="peak learning rate",
         ylabel="final loss (nats/byte)",
+        logy=True,
     )
-    pair = [lr for lr in (stable, unstable) if lr is not None] or list(cfg.lrs[-2:])
-    plot_curves(cfg, {"curves": curves}, pair, out / "logits.png")
+    big = list(effects)[-1]
+    plots.curves(
+        {
+            f"{big}, lr {max(cfg.lrs):g}: max attention logit": {
+                a: curves[(big, a)]["max_attn_logit"] for a in cfg.arms
+            },
+        },
+        path=out / "logits.png",
+        xlabel="step",
+        ylabel="max attention logit",
+        logy=True,
+    )
+    plots.curves(
+        {f"{big}, lr {max(cfg.lrs):g}: log Z": {a: curves[(big, a)]["log_z"] for a in cfg.arms}},
+        path=out / "log_z.png",
+        xlabel="step",
+        ylabel="mean log Z of the output",
+        logy=True,
+    )
     print(table)
     return res
 

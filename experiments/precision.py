@@ -1,13 +1,21 @@
-"""Mixed precision: fp32, bf16, fp16 without loss scaling, fp16 with dynamic loss scaling.
+"""Mixed precision at learning rates where float16's range runs out.
 
-The reference model trained four ways: float32; bfloat16 compute (float32 master
-weights, optimizer state and loss); float16 compute with no loss scale, where small
-gradients flush to zero and large activations overflow; float16 with
-:class:`stabljax.DynamicLossScale` (skip and halve on overflow, double after
-``growth_interval`` clean steps). Reports the final loss, overflow and skip counts and
-the loss-scale trajectory.
+The reference model (no clipping, no weight decay) trained four ways over an LR grid:
+float32; bfloat16 compute (float32 master weights, optimizer state and loss); float16
+compute with no loss scale; float16 with :class:`stabljax.DynamicLossScale` (skip and
+halve on overflow, double after ``growth_interval`` clean steps). The model computes in the
+arm's compute dtype (``proxy.model_config``). At high learning rates the residual stream grows
+past float16's 65504 (attention scores and output logits are computed in float32 by
+:mod:`stabljax.nn`, so it is the activations that overflow).
 
-    python -m experiments.precision [--quick] [--growth-interval 100] [--seeds 0 1]
+Failure metric: failed runs (final loss non-finite or above its loss at init), summed
+over the grid per seed; the steps with a non-finite training loss are reported beside it.
+Effects are paired per seed against ``fp16-noscale`` with 95 % bootstrap intervals; the
+mechanism of the scaler is its loss-scale events (overflow skips), that of bfloat16 the
+steps whose output logits are non-finite. A loss scale protects the range of the
+*gradients*; where the forward activations overflow, it can only skip the step.
+
+    python -m experiments.precision [--quick] [--lrs 0.01 1 3] [--seeds 0 1 2 3 4]
 
 References:
   Micikevicius et al., `Mixed Precision Training <https://arxiv.org/abs/1710.03740>`_, 2018
@@ -18,6 +26,7 @@ from __future__ import annotations
 import dataclasses
 import pathlib
 import sys
+import time
 
 if __package__ in (None, ""):
     sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
@@ -25,21 +34,26 @@ if __package__ in (None, ""):
 import numpy as np
 
 import stabljax
-from experiments import common
+from experiments import cli, common, plots, proxy, stats
+from experiments.trainer import Trainer
 
 ARMS = ("fp32", "bf16", "fp16-noscale", "fp16")
+BASE = "fp16-noscale"
 
 
 @dataclasses.dataclass(frozen=True)
-class Config(common.SweepConfig):
-    lr: float = 1e-2
+class Config(proxy.SweepConfig):
+    n_heads: int = 2
+    weight_decay: float = 0.0
+    lrs: tuple[float, ...] = (0.01, 1.0, 3.0)
     arms: tuple[str, ...] = ARMS
     initial_scale: float = 2.0**15
     growth_interval: int = 50
 
     @classmethod
     def quick(cls):
-        return cls(**dataclasses.asdict(common.SweepConfig.quick()), growth_interval=2)
+        q = dataclasses.asdict(proxy.SweepConfig.quick())
+        return cls(**q, lrs=(1.0,), arms=("fp16-noscale", "fp16"), growth_interval=2)
 
 
 def precision(arm: str, cfg: Config):
@@ -47,81 +61,163 @@ def precision(arm: str, cfg: Config):
         return stabljax.Precision.fp16(
             initial_scale=cfg.initial_scale, growth_interval=cfg.growth_interval
         )
-    return common.precision_of(arm)
+    return proxy.precision_of(arm)
+
+
+def run(cfg: Config, bar) -> tuple[list[dict], dict]:
+    rows, curves = [], {}
+    specs = [{"seed": sd, "learning_rate": lr} for lr in cfg.lrs for sd in cfg.seeds]
+    for arm in cfg.arms:
+        bar.set_postfix_str(arm)
+        s = cfg.setup(clip=0.0, precision=arm)
+        r = Trainer(s, precision=precision(arm, cfg)).run_many(specs, progress=bar.update)
+        m = r.metrics
+        for i, sp in enumerate(r.specs):
+            rows.append(
+                {
+                    "arm": arm,
+                    "lr": sp["learning_rate"],
+                    "seed": sp["seed"],
+                    "init_loss": float(r.init_loss[i]),
+                    "final_loss": common.finite_or_nan(r.final_loss[i]),
+                    "failed": stats.failed(r.final_loss[i], r.init_loss[i]),
+                    "nonfinite_steps": int(np.sum(~np.isfinite(m["loss"][i]))),
+                    "nonfinite_logit_steps": int(np.sum(~np.isfinite(m["max_abs_logit"][i]))),
+                    "overflows": int(np.sum(m["overflow"][i])),
+                    "final_loss_scale": float(m["loss_scale"][i, -1]),
+                    "max_residual_rms": float(np.nanmax(m["max_residual_rms"][i])),
+                    "bursts": stats.burst_count(m["loss"][i]),
+                }
+            )
+        curves[arm] = m["loss"][r.index(learning_rate=max(cfg.lrs))]
+    return rows, curves
+
+
+def per_seed(rows, arm, key, seeds):
+    return [
+        float(np.sum([r[key] for r in rows if (r["arm"], r["seed"]) == (arm, sd)])) for sd in seeds
+    ]
+
+
+FAILED = "failed runs (final loss non-finite or above init) over the LR grid"
+
+
+def summarize(cfg: Config, rows: list[dict]) -> tuple[dict, dict]:
+    mechs = {
+        "fp16": ("overflows", +1, "loss-scale events (overflow skips)"),
+        "bf16": ("nonfinite_logit_steps", -1, "steps with non-finite logits"),
+    }
+    effects, remedies = {}, {}
+    seeds = cfg.seeds
+    base = {k: per_seed(rows, BASE, k, seeds) for k in ("failed", "nonfinite_steps")}
+    for arm, (key, direction, label) in mechs.items():
+        if arm not in cfg.arms or BASE not in cfg.arms:
+            continue
+        failed = stats.paired_effect(per_seed(rows, arm, "failed", seeds), base["failed"], "failed")
+        nonfinite = stats.paired_effect(
+            per_seed(rows, arm, "nonfinite_steps", seeds),
+            base["nonfinite_steps"],
+            "non-finite loss steps",
+        )
+        mech = stats.moved(
+            per_seed(rows, arm, key, seeds), per_seed(rows, BASE, key, seeds), direction=direction
+        )
+        effects[arm] = {"failed_runs": failed, "nonfinite_steps": nonfinite, "mechanism": mech}
+        remedies[f"{arm} vs {BASE}"] = stats.remedy(FAILED, failed, mech, label)
+    b = [r for r in rows if r["arm"] == BASE]
+    summary = stats.summary(
+        instability_reproduced=any(r["failed"] for r in b),
+        failure_metric=FAILED + ", fp16 compute without a loss scale",
+        remedies=remedies,
+        seeds=len(seeds),
+        sizes=[f"d{cfg.d_model}x{cfg.n_layers}"],
+        note=(
+            "a loss scale guards the gradients' range, not the forward pass's: where the "
+            "activations overflow, fp16 with the scaler skips almost every step and fails too"
+        ),
+    )
+    return summary, effects
+
+
+def _final(rr: list[dict]) -> str:
+    finite = [r["final_loss"] for r in rr if np.isfinite(r["final_loss"])]
+    if not finite:
+        return "non-finite"
+    more = "" if len(finite) == len(rr) else f" ({len(finite)} finite)"
+    return f"{np.mean(finite):.3f}{more}"
+
+
+def tables(cfg: Config, rows: list[dict], effects: dict) -> str:
+    t = []
+    for a in cfg.arms:
+        row = {"arm": a}
+        for lr in cfg.lrs:
+            rr = [r for r in rows if (r["arm"], r["lr"]) == (a, lr)]
+            row[f"lr {lr:g}: final"] = _final(rr)
+            row[f"lr {lr:g}: failed"] = f"{sum(r['failed'] for r in rr)}/{len(rr)}"
+            row[f"lr {lr:g}: non-finite steps"] = (
+                f"{np.mean([r['nonfinite_steps'] for r in rr]):.1f}"
+            )
+            row[f"lr {lr:g}: overflows"] = f"{np.mean([r['overflows'] for r in rr]):.1f}"
+            row[f"lr {lr:g}: max residual RMS"] = (
+                f"{np.mean([r['max_residual_rms'] for r in rr]):.3g}"
+            )
+        t.append(row)
+    e = [
+        {
+            "arm vs " + BASE: k,
+            "Δ failed runs [95% CI]": common.fmt_ci(v["failed_runs"], 1),
+            "Δ non-finite steps [95% CI]": common.fmt_ci(v["nonfinite_steps"], 1),
+            "Δ mechanism [95% CI]": common.fmt_ci(v["mechanism"], 1),
+        }
+        for k, v in effects.items()
+    ]
+    return (
+        f"Seed means over {len(cfg.seeds)} seeds, {cfg.steps} steps, no clipping (final loss: "
+        "mean of the finite runs; failed: final loss non-finite or above init; non-finite "
+        "steps, overflows: per run; max residual RMS: largest over training, inf where it "
+        "overflowed)\n\n"
+        + common.markdown_table(t)
+        + "\nPaired per-seed differences (summed over the LR grid), 95 % bootstrap "
+        "intervals\n\n" + (common.markdown_table(e) if e else "(none)\n")
+    )
 
 
 def main(argv=None) -> dict:
-    cfg, args = common.parse_config(Config, argv, __doc__.splitlines()[0], name="precision")
-    common.init_distributed(args)
+    cfg, args = cli.parse_config(Config, argv, __doc__.splitlines()[0], name="precision")
+    cli.init_distributed(args)
+    t0 = time.perf_counter()
     out = pathlib.Path(args.out)
-    s = cfg.setup(lr=cfg.lr)
-    trainers = {a: common.Trainer(s, precision=precision(a, cfg)) for a in cfg.arms}
-    cells = [{"arm": a, "seed": sd} for a in cfg.arms for sd in cfg.seeds]
-    curves = {}
-
-    def run_cell(c, advance):
-        r = trainers[c["arm"]].run(c["seed"], learning_rate=cfg.lr, progress=advance)
-        m = r.metrics
-        curves[(c["arm"], c["seed"])] = {"loss": m["loss"], "loss_scale": m["loss_scale"]}
-        finite = np.isfinite(m["loss"])
-        return {
-            **c,
-            "final_loss": common.finite_or_nan(r.eval_loss),
-            "final_train_loss": common.finite_or_nan(float(np.mean(m["loss"][-10:]))),
-            "overflows": int(np.sum(m["overflow"])),
-            "skipped": int(np.sum(m["skipped"])),
-            "nonfinite_losses": int(np.sum(~finite)),
-            "final_loss_scale": float(m["loss_scale"][-1]),
-            "min_loss_scale": float(np.min(m["loss_scale"])),
-        }
-
-    rows = common.sweep(
-        cells, run_cell, steps=cfg.steps, desc="precision", disable=args.no_progress
-    )
-    table, summary = [], {}
-    for a in cfg.arms:
-        rr = [r for r in rows if r["arm"] == a]
-        fl = common.mean_spread([r["final_loss"] for r in rr])
-        summary[a] = {"final_loss": fl}
-        table.append(
-            {
-                "arm": a,
-                "final loss": "diverged"
-                if not np.isfinite(fl[0])
-                else f"{fl[0]:.3f} ± {fl[1]:.3f}",
-                "overflows": sum(r["overflows"] for r in rr),
-                "skipped steps": sum(r["skipped"] for r in rr),
-                "non-finite losses": sum(r["nonfinite_losses"] for r in rr),
-                "final loss scale": ", ".join(f"{r['final_loss_scale']:g}" for r in rr),
-            }
-        )
-    table = (
-        f"lr {cfg.lr:g}, {cfg.steps} steps; loss mean ± half-range over seeds "
-        f"{list(cfg.seeds)}, counts summed over seeds\n\n" + common.markdown_table(table)
-    )
+    total = len(cfg.arms) * len(cfg.lrs) * len(cfg.seeds) * cfg.steps
+    bar = common.progress_bar(total, "precision", disable=args.no_progress)
+    try:
+        rows, curves = run(cfg, bar)
+    finally:
+        bar.close()
+    summary, effects = summarize(cfg, rows)
+    table = tables(cfg, rows, effects)
     res = {
         "rows": rows,
-        "summary": summary,
-        "curves": {f"{a}@{sd}": v for (a, sd), v in curves.items()},
+        "effects": effects,
+        "losses_top_lr_every_5": {a: c[:, ::5] for a, c in curves.items()},
     }
-    common.write_results(out, config=cfg, results=res, table=table, title="Mixed precision")
-    plt = common.pyplot()
-    fig, (ax, bx) = plt.subplots(1, 2, figsize=(11, 4))
-    for i, a in enumerate(cfg.arms):
-        c = curves[(a, cfg.seeds[0])]
-        ax.plot(np.asarray(c["loss"], dtype=float), lw=0.9, color=f"C{i}", label=a)
-        bx.plot(np.asarray(c["loss_scale"], dtype=float), color=f"C{i}", label=a)
-    ax.set(
+    common.write_results(
+        out,
+        config=cfg,
+        results=res,
+        table=table,
+        title="Mixed precision at high learning rates",
+        summary=summary,
+        command=args.command,
+        wall_s=time.perf_counter() - t0,
+    )
+    plots.curves(
+        {f"lr {max(cfg.lrs):g}: training loss": curves},
+        path=out / "precision.png",
         xlabel="step",
         ylabel="training loss (nats/byte)",
-        title=f"Training loss, seed {cfg.seeds[0]}",
+        logy=True,
     )
-    bx.set(xlabel="step", ylabel="loss scale", yscale="log", title="Loss scale (1 when unused)")
-    for x in (ax, bx):
-        x.grid(alpha=0.3)
-        x.legend(fontsize=8)
-    common.save_figure(fig, out / "precision.png")
-    plt.close(fig)
     print(table)
     return res
 

@@ -1,11 +1,16 @@
-"""LR sensitivity without warmup, with a short and with a long warmup.
+"""Warmup against the early blow-up it is meant to prevent, with no clipping to mask it.
 
 Wortsman et al. find that a longer warmup lowers the learning-rate sensitivity, mostly by
 letting the highest learning rates train. Same proxy as :mod:`experiments.lr_sensitivity`
-(its ``base`` arm, weight decay off), with the linear warmup set to 0, 5% and 25% of the
-run before the cosine decay.
+(its ``base`` arm), weight decay off and **no gradient clipping** (clipping bounds the
+first updates and would hide the failure warmup targets), with the linear warmup set to
+0, 5 % and 25 % of the run before the cosine decay, at learning rates up to 3.
 
-    python -m experiments.warmup [--quick] [--warmups 0 0.05 0.25] [--seeds 0 1]
+Failure metric: bursts, steps whose training loss exceeds 1.5× its running minimum
+(:func:`experiments.stats.burst_count`), summed over the LR grid per seed. Mechanism: the
+largest update norm of the first 10 % of steps (what warmup bounds), summed over the grid.
+
+    python -m experiments.warmup [--quick] [--lrs 0.3 1 3] [--seeds 0 1 2 3 4]
 
 References:
   Wortsman et al., `Small-scale proxies for large-scale Transformer training instabilities
@@ -17,86 +22,174 @@ from __future__ import annotations
 import dataclasses
 import pathlib
 import sys
+import time
 
 if __package__ in (None, ""):
     sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
 import numpy as np
 
-from experiments import common
+from experiments import cli, common, plots, proxy, stats
+from experiments.trainer import Trainer
 
 
 @dataclasses.dataclass(frozen=True)
-class Config(common.SweepConfig):
+class Config(proxy.SweepConfig):
+    n_heads: int = 2
+    steps: int = 300
     weight_decay: float = 0.0
-    lrs: tuple[float, ...] = common.log_grid(1e-3, 1.0, 6)
+    clip: float = 0.0
+    lrs: tuple[float, ...] = (0.3, 1.0, 3.0)
     warmups: tuple[float, ...] = (0.0, 0.05, 0.25)
+    early_frac: float = 0.1
 
     @classmethod
     def quick(cls):
-        return cls(
-            **dataclasses.asdict(common.SweepConfig.quick()), lrs=(1e-2, 1.0), warmups=(0.0, 0.25)
+        q = dataclasses.asdict(proxy.SweepConfig.quick())
+        return cls(**q, lrs=(1e-2, 1.0), warmups=(0.0, 0.5))
+
+
+def run(cfg: Config, bar) -> dict:
+    rows, curves = [], {}
+    specs = [{"seed": sd, "learning_rate": lr} for lr in cfg.lrs for sd in cfg.seeds]
+    early = max(1, int(round(cfg.early_frac * cfg.steps)))
+    for w in cfg.warmups:
+        bar.set_postfix_str(f"warmup {w:g}")
+        t = Trainer(cfg.setup(warmup_frac=w, clip=cfg.clip))
+        r = t.run_many(specs, progress=bar.update)
+        m = r.metrics
+        for i, sp in enumerate(r.specs):
+            rows.append(
+                {
+                    "warmup": w,
+                    "warmup_steps": int(round(w * cfg.steps)),
+                    "lr": sp["learning_rate"],
+                    "seed": sp["seed"],
+                    "init_loss": float(r.init_loss[i]),
+                    "final_loss": common.finite_or_nan(r.final_loss[i]),
+                    "failed": stats.failed(r.final_loss[i], r.init_loss[i]),
+                    "bursts": stats.burst_count(m["loss"][i]),
+                    "early_max_update_norm": float(np.nanmax(m["update_norm"][i, :early])),
+                    "max_attn_logit": float(np.nanmax(m["max_attn_logit"][i])),
+                }
+            )
+        curves[w] = {f"lr {lr:g}": m["loss"][r.index(learning_rate=lr)] for lr in cfg.lrs}
+    return {"rows": rows, "curves": curves}
+
+
+def per_seed(rows, key, w, seeds, agg=np.sum):
+    return [agg([r[key] for r in rows if r["warmup"] == w and r["seed"] == sd]) for sd in seeds]
+
+
+def summarize(cfg: Config, rows: list[dict]) -> tuple[dict, dict]:
+    base_w = cfg.warmups[0]
+    base_b = per_seed(rows, "bursts", base_w, cfg.seeds)
+    base_u = per_seed(rows, "early_max_update_norm", base_w, cfg.seeds)
+    top = [r for r in rows if r["warmup"] == base_w and r["lr"] == max(cfg.lrs)]
+    reproduced = any(r["failed"] for r in top) or np.mean([r["bursts"] for r in top]) >= (
+        0.05 * cfg.steps
+    )
+    remedies, effects = {}, {}
+    for w in cfg.warmups[1:]:
+        e = stats.paired_effect(per_seed(rows, "bursts", w, cfg.seeds), base_b, "bursts")
+        mech = stats.moved(per_seed(rows, "early_max_update_norm", w, cfg.seeds), base_u)
+        name = f"warmup {w:g}"
+        remedies[name] = stats.remedy(
+            "bursts summed over the LR grid", e, mech, "early max update norm"
         )
+        sens = [
+            stats.lr_sensitivity(
+                [r["final_loss"] for r in rows if r["warmup"] == w and r["seed"] == sd],
+                rows[0]["init_loss"],
+            )
+            for sd in cfg.seeds
+        ]
+        effects[name] = {"bursts": e, "mechanism": mech, "lr_sensitivity": stats.interval(sens)}
+    summary = stats.summary(
+        instability_reproduced=bool(reproduced),
+        failure_metric="bursts (loss > 1.5x running min) or final loss > init, no warmup, top LR",
+        remedies=remedies,
+        seeds=len(cfg.seeds),
+        sizes=[f"d{cfg.d_model}x{cfg.n_layers}"],
+    )
+    return summary, effects
+
+
+def tables(cfg: Config, rows: list[dict], effects: dict) -> str:
+    t = []
+    for w in cfg.warmups:
+        row = {"warmup": f"{w:g} ({int(round(w * cfg.steps))} steps)"}
+        for lr in cfg.lrs:
+            rr = [r for r in rows if r["warmup"] == w and r["lr"] == lr]
+            fl = stats.interval([r["final_loss"] for r in rr])
+            row[f"lr {lr:g}: final loss"] = f"{fl['mean']:.3f}"
+            row[f"lr {lr:g}: bursts"] = f"{np.mean([r['bursts'] for r in rr]):.1f}"
+            row[f"lr {lr:g}: failed"] = f"{sum(r['failed'] for r in rr)}/{len(rr)}"
+        t.append(row)
+    e = [
+        {
+            "arm vs no warmup": k,
+            "Δ bursts [95% CI]": common.fmt_ci(v["bursts"], 1),
+            "Δ early max update norm [95% CI]": common.fmt_ci(v["mechanism"], 3),
+            "LR sensitivity (arm)": f"{v['lr_sensitivity']['mean']:.3f}",
+        }
+        for k, v in effects.items()
+    ]
+    return (
+        f"Seed means over {len(cfg.seeds)} seeds, {cfg.steps} steps, no clipping\n\n"
+        + common.markdown_table(t)
+        + "\nPaired per-seed differences (arm − no warmup), 95 % bootstrap intervals\n\n"
+        + common.markdown_table(e)
+    )
 
 
 def main(argv=None) -> dict:
-    cfg, args = common.parse_config(Config, argv, __doc__.splitlines()[0], name="warmup")
-    common.init_distributed(args)
+    cfg, args = cli.parse_config(Config, argv, __doc__.splitlines()[0], name="warmup")
+    cli.init_distributed(args)
+    t0 = time.perf_counter()
     out = pathlib.Path(args.out)
-    trainers = {w: common.Trainer(cfg.setup(warmup_frac=w)) for w in cfg.warmups}
-    cells = [
-        {"warmup": w, "lr": lr, "seed": sd}
-        for w in cfg.warmups
-        for lr in cfg.lrs
-        for sd in cfg.seeds
-    ]
-
-    def run_cell(c, advance):
-        r = trainers[c["warmup"]].run(c["seed"], learning_rate=c["lr"], progress=advance)
-        return {
-            **c,
-            "warmup_steps": int(round(c["warmup"] * cfg.steps)),
-            "final_loss": common.finite_or_nan(r.eval_loss),
-            "init_loss": r.init_loss,
-            "max_grad_norm": float(np.nanmax(r.metrics["grad_norm"])),
-        }
-
-    rows = common.sweep(cells, run_cell, steps=cfg.steps, desc="warmup", disable=args.no_progress)
-    sens, table = {}, []
-    for w in cfg.warmups:
-        per_seed = []
-        for sd in cfg.seeds:
-            rr = [r for r in rows if r["warmup"] == w and r["seed"] == sd]
-            per_seed.append(
-                common.lr_sensitivity([r["final_loss"] for r in rr], rr[0]["init_loss"])
-            )
-        mean, spread = common.mean_spread(per_seed)
-        sens[w] = {"per_seed": per_seed, "mean": mean, "spread": spread}
-        row = {"warmup": f"{w:g} ({int(round(w * cfg.steps))} steps)"}
-        for lr in cfg.lrs:
-            m, sp = common.mean_spread(
-                [r["final_loss"] for r in rows if r["warmup"] == w and r["lr"] == lr]
-            )
-            row[f"lr {lr:g}"] = "diverged" if not np.isfinite(m) else f"{m:.3f} ± {sp:.3f}"
-        row["LR sensitivity"] = f"{mean:.3f} ± {spread:.3f}"
-        table.append(row)
-    table = (
-        "Final held-out loss (mean ± half-range over seeds) and LR sensitivity\n\n"
-        + common.markdown_table(table)
-    )
-    res = {"rows": rows, "sensitivity": sens}
+    total = len(cfg.warmups) * len(cfg.lrs) * len(cfg.seeds) * cfg.steps
+    bar = common.progress_bar(total, "warmup", disable=args.no_progress)
+    try:
+        res = run(cfg, bar)
+    finally:
+        bar.close()
+    rows, curves = res["rows"], res.pop("curves")
+    summary, effects = summarize(cfg, rows)
+    res["effects"] = effects
+    table = tables(cfg, rows, effects)
+    res["curves_every_5"] = {
+        f"{w:g}": {k: v[:, ::5] for k, v in c.items()} for w, c in curves.items()
+    }
     common.write_results(
-        out, config=cfg, results=res, table=table, title="Warmup and LR sensitivity"
+        out,
+        config=cfg,
+        results=res,
+        table=table,
+        title="Warmup against the early blow-up",
+        summary=summary,
+        command=args.command,
+        wall_s=time.perf_counter() - t0,
     )
-    common.plot_groups(
+    plots.curves(
+        {
+            f"lr {max(cfg.lrs):g}, warmup {w:g}": {"loss": c[f"lr {max(cfg.lrs):g}"]}
+            for w, c in curves.items()
+        },
+        path=out / "loss.png",
+        xlabel="step",
+        ylabel="training loss (nats/byte)",
+        logy=True,
+    )
+    plots.groups_vs_x(
         [{**r, "warmup": f"warmup {r['warmup']:g}"} for r in rows],
         x="lr",
-        y="final_loss",
+        y="bursts",
         group="warmup",
-        path=out / "loss_vs_lr.png",
-        title="Final loss vs LR by warmup length (band: seeds min-max)",
+        path=out / "bursts_vs_lr.png",
+        title="bursts (loss > 1.5x running min)",
         xlabel="peak learning rate",
-        ylabel="final loss (nats/byte)",
+        ylabel="bursts per run",
     )
     print(table)
     return res

@@ -1,9 +1,15 @@
 """stabljax: training-stability components for JAX (Optax, Flax NNX, Orbax, Grain).
 
 The public API is flat (``stabljax.safe_adamw``, ``stabljax.RollbackController``); the
-modules are layered (``stabljax.optim`` -> step modules -> ``stabljax.control``), see BUILD.md.
+modules are layered (``stabljax.optim`` -> step modules -> ``stabljax.control``), beside
+``stabljax.init`` (init plans and checks) and ``stabljax.reference`` (the reference
+Transformer and corpus), see BUILD.md.
 """
 
+# Old module paths kept working: stabljax.nn re-exports stabljax.reference.nn (imported here
+# so that `import stabljax; stabljax.nn` works as before); stabljax.data, a deprecated name
+# for stabljax.reference.corpus, loads on first use (__getattr__ below).
+from stabljax import nn as nn
 from stabljax.control import CheckpointMismatch as CheckpointMismatch
 from stabljax.control import CheckpointSaveError as CheckpointSaveError
 from stabljax.control import DataExhausted as DataExhausted
@@ -12,6 +18,7 @@ from stabljax.control import Detection as Detection
 from stabljax.control import DivergenceDetector as DivergenceDetector
 from stabljax.control import Event as Event
 from stabljax.control import EventLog as EventLog
+from stabljax.control import EventSchemaError as EventSchemaError
 from stabljax.control import GrainDatasetIterator as GrainDatasetIterator
 from stabljax.control import GrainLoaderIterator as GrainLoaderIterator
 from stabljax.control import IndexedBatches as IndexedBatches
@@ -23,9 +30,8 @@ from stabljax.control import SlowDivergenceDetector as SlowDivergenceDetector
 from stabljax.control import SpikeDetector as SpikeDetector
 from stabljax.control import TensorBoardMetricsWriter as TensorBoardMetricsWriter
 from stabljax.control import TrainingDiverged as TrainingDiverged
+from stabljax.control import TriageConfig as TriageConfig
 from stabljax.control import read_events as read_events
-from stabljax.data import default_corpus as default_corpus
-from stabljax.data import lm_batch_fn as lm_batch_fn
 from stabljax.init import ArchSpec as ArchSpec
 from stabljax.init import InitPlan as InitPlan
 from stabljax.init import InitReport as InitReport
@@ -33,8 +39,6 @@ from stabljax.init import check_init as check_init
 from stabljax.init import init_plan as init_plan
 from stabljax.losses import cross_entropy_with_z_loss as cross_entropy_with_z_loss
 from stabljax.losses import z_loss as z_loss
-from stabljax.nn import TransformerConfig as TransformerConfig
-from stabljax.nn import TransformerLM as TransformerLM
 from stabljax.optim.adam import ScaleByAdamAtan2State as ScaleByAdamAtan2State
 from stabljax.optim.adam import ScaleBySafeAdamState as ScaleBySafeAdamState
 from stabljax.optim.adam import adamw_atan2 as adamw_atan2
@@ -61,6 +65,10 @@ from stabljax.optim.guards import skip_streak as skip_streak
 from stabljax.precision import DynamicLossScale as DynamicLossScale
 from stabljax.precision import LossScaleState as LossScaleState
 from stabljax.precision import Precision as Precision
+from stabljax.reference.corpus import default_corpus as default_corpus
+from stabljax.reference.corpus import lm_batch_fn as lm_batch_fn
+from stabljax.reference.nn import TransformerConfig as TransformerConfig
+from stabljax.reference.nn import TransformerLM as TransformerLM
 from stabljax.step import TrainState as TrainState
 from stabljax.step import lm_loss as lm_loss
 from stabljax.step import make_train_step as make_train_step
@@ -70,7 +78,16 @@ from stabljax.step import recommended_compiler_options as recommended_compiler_o
 from stabljax.telemetry import adam_eps_report as adam_eps_report
 from stabljax.telemetry import layer_metrics_to_host as layer_metrics_to_host
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
+
+
+def __getattr__(name: str):
+    if name == "data":
+        import importlib
+
+        return importlib.import_module("stabljax.data")
+    raise AttributeError(f"module 'stabljax' has no attribute {name!r}")
+
 
 __all__ = (
     "ArchSpec",
@@ -87,6 +104,7 @@ __all__ = (
     "DynamicLossScale",
     "Event",
     "EventLog",
+    "EventSchemaError",
     "GrainDatasetIterator",
     "GrainLoaderIterator",
     "IndexedBatches",
@@ -110,6 +128,7 @@ __all__ = (
     "TrainingDiverged",
     "TransformerConfig",
     "TransformerLM",
+    "TriageConfig",
     "adam_eps_report",
     "adamw_atan2",
     "any_skipped",

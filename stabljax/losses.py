@@ -11,18 +11,39 @@ batch of pure padding neither moves the parameters nor poisons a guard.
 
 from __future__ import annotations
 
+import warnings
+from collections.abc import Callable, Mapping
+from typing import Any
+
 import jax
 import jax.numpy as jnp
 from jax.typing import ArrayLike
 
+from stabljax import metrics
 from stabljax.optim._base import validate
 
-__all__ = ("cross_entropy_with_z_loss", "z_loss")
+__all__ = ("cross_entropy_with_z_loss", "lm_loss", "z_loss")
+
+LossFn = Callable[..., tuple[jax.Array, Any]]
 
 
-def _check_coefficient(z_loss: ArrayLike, owner: str = "cross_entropy_with_z_loss") -> None:
-    # A traced coefficient is not checked (it is the caller's responsibility).
-    validate(owner, "z_loss", z_loss, lambda v: v >= 0, ">= 0 (0 for plain cross-entropy)")
+def _z_loss_weight(owner: str, z_loss_weight: ArrayLike, z_loss: ArrayLike | None) -> ArrayLike:
+    """The checked z-loss weight; ``z_loss=`` is its deprecated old name (a DeprecationWarning).
+
+    A traced weight is not checked (it is the caller's responsibility).
+    """
+    if z_loss is not None:
+        warnings.warn(
+            f"{owner}: `z_loss=` is deprecated (it is also the name of the z-loss function); "
+            "pass `z_loss_weight=`.",
+            DeprecationWarning,
+            stacklevel=3,
+        )
+        z_loss_weight = z_loss
+    validate(
+        owner, "z_loss_weight", z_loss_weight, lambda v: v >= 0, ">= 0 (0 for plain cross-entropy)"
+    )
+    return z_loss_weight
 
 
 def _mask(where: ArrayLike | None, shape: tuple[int, ...]) -> jax.Array:
@@ -98,8 +119,9 @@ def cross_entropy_with_z_loss(
     logits: ArrayLike,
     labels: ArrayLike,
     *,
-    z_loss: ArrayLike = 1e-4,
+    z_loss_weight: ArrayLike = 1e-4,
     where: ArrayLike | None = None,
+    z_loss: ArrayLike | None = None,
 ) -> tuple[jax.Array, dict[str, jax.Array]]:
     r"""Softmax cross-entropy with integer labels plus a weighted z-loss.
 
@@ -111,17 +133,19 @@ def cross_entropy_with_z_loss(
       \mathcal{L} = \mathrm{CE} + c \cdot \frac{1}{|M|} \sum_{i \in M} \log^2 Z_i,
 
     where :math:`M` is the set of positions where ``where`` is true and :math:`c` is
-    ``z_loss``. All of it is float32 even for bf16 logits. With ``z_loss=0`` the loss
+    ``z_loss_weight``. All of it is float32 even for bf16 logits. With ``z_loss_weight=0``
+    the loss
     equals ``optax.softmax_cross_entropy_with_integer_labels`` averaged over the mask.
     An all-false mask gives a loss of 0 with zero gradient (not NaN).
 
     Args:
       logits: ``[..., vocab]`` logits, any float dtype.
       labels: integer labels of shape ``logits.shape[:-1]``, each in ``[0, vocab)``.
-      z_loss: weight :math:`c \ge 0` of the z-loss term; PaLM and T5X use 1e-4,
-        OLMo 2 1e-5 .. 1e-4.
+      z_loss_weight: weight :math:`c \ge 0` of the z-loss term (Levanter's name); PaLM
+        and T5X use 1e-4, OLMo 2 1e-5 .. 1e-4.
       where: optional boolean mask of shape ``labels.shape``; false positions
         (padding) are left out of every mean.
+      z_loss: deprecated name of ``z_loss_weight`` (a ``DeprecationWarning``).
 
     Returns:
       ``(loss, aux)``: the float32 scalar loss and a dict of float32 scalars,
@@ -130,7 +154,7 @@ def cross_entropy_with_z_loss(
       (largest :math:`\log Z` over the unmasked positions; 0 if there are none).
 
     Raises:
-      ValueError: if ``z_loss`` is a negative (or NaN) Python number, or ``where``
+      ValueError: if ``z_loss_weight`` is a negative (or NaN) number, or ``where``
         does not have the labels' shape.
 
     Example:
@@ -138,7 +162,7 @@ def cross_entropy_with_z_loss(
       >>> from stabljax.losses import cross_entropy_with_z_loss
       >>> logits = jnp.zeros((2, 3, 4))
       >>> labels = jnp.zeros((2, 3), jnp.int32)
-      >>> loss, aux = cross_entropy_with_z_loss(logits, labels, z_loss=1e-4)
+      >>> loss, aux = cross_entropy_with_z_loss(logits, labels, z_loss_weight=1e-4)
       >>> print(round(float(aux["ce"]), 4), round(float(aux["log_z"]), 4))
       1.3863 1.3863
       >>> print(round(float(loss - aux["ce"]), 6))
@@ -148,7 +172,7 @@ def cross_entropy_with_z_loss(
       Chowdhery et al., `PaLM: Scaling Language Modeling with Pathways
       <https://arxiv.org/abs/2204.02311>`_, 2022
     """
-    _check_coefficient(z_loss)
+    weight = _z_loss_weight("cross_entropy_with_z_loss", z_loss_weight, z_loss)
     logits32, m, s = _shifted_log_z(logits)
     log_z = m + s
     labels = jnp.asarray(labels)
@@ -161,12 +185,73 @@ def cross_entropy_with_z_loss(
 
     label_logits = jnp.take_along_axis(logits32, labels[..., None], axis=-1)[..., 0]
     ce = _masked_mean((m - label_logits) + s, mask, count)
-    z_term = jnp.asarray(z_loss, jnp.float32) * _masked_mean(jnp.square(log_z), mask, count)
+    z_term = jnp.asarray(weight, jnp.float32) * _masked_mean(jnp.square(log_z), mask, count)
     log_z_max = jnp.max(log_z, where=mask, initial=-jnp.inf)
     aux = {
-        "ce": ce,
-        "z_loss": z_term,
-        "log_z": _masked_mean(log_z, mask, count),
-        "log_z_max": jnp.where(count > 0, log_z_max, 0.0),
+        metrics.CE: ce,
+        metrics.Z_LOSS: z_term,
+        metrics.LOG_Z: _masked_mean(log_z, mask, count),
+        metrics.LOG_Z_MAX: jnp.where(count > 0, log_z_max, 0.0),
     }
     return ce + z_term, aux
+
+
+def lm_loss(
+    apply_fn: Callable[..., Any],
+    *,
+    z_loss_weight: float = 1e-4,
+    stateful: bool = False,
+    z_loss: float | None = None,
+) -> LossFn:
+    r"""The language-model ``loss_fn`` for :func:`stabljax.make_train_step`: cross-entropy + z-loss.
+
+    ``loss_fn(params, batch, *, rng=None, model_state=None)`` is
+    :func:`cross_entropy_with_z_loss` of
+    ``apply_fn(params, batch["inputs"])`` against the integer ``batch["targets"]``,
+    masked by the optional boolean ``batch["mask"]``; its ``aux`` holds ``ce``,
+    ``z_loss``, ``log_z`` and ``log_z_max``, which the step returns as metrics.
+
+    Args:
+      apply_fn: ``apply_fn(params, inputs) -> logits`` (``[..., vocab]``): linen's
+        ``module.apply``, or the first result of :func:`stabljax.nnx_apply`. With
+        ``stateful=True``, ``apply_fn(params, inputs, *, rng, model_state) -> (logits,
+        model_state)``, as :func:`stabljax.nnx_apply` with ``stateful=True`` returns; the new
+        model state goes into ``aux["model_state"]``.
+      z_loss_weight: z-loss weight (>= 0); 0 gives plain cross-entropy.
+      stateful: whether ``apply_fn`` takes and returns model state (see above).
+      z_loss: deprecated name of ``z_loss_weight`` (a ``DeprecationWarning``).
+
+    Returns:
+      ``loss_fn(params, batch, *, rng=None, model_state=None) -> (loss, aux)``.
+
+    Raises:
+      ValueError: if ``z_loss_weight`` is negative or NaN.
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> from stabljax.losses import lm_loss
+      >>> loss_fn = lm_loss(lambda params, inputs: params[inputs], z_loss_weight=0.0)
+      >>> batch = {"inputs": jnp.array([[0, 1]]), "targets": jnp.array([[1, 0]])}
+      >>> loss, aux = loss_fn(jnp.zeros((2, 2)), batch)
+      >>> print(f"{float(loss):.4f}", sorted(aux))  # ln 2
+      0.6931 ['ce', 'log_z', 'log_z_max', 'z_loss']
+    """
+    weight = _z_loss_weight("lm_loss", z_loss_weight, z_loss)
+    if not callable(apply_fn):
+        raise TypeError(f"lm_loss: `apply_fn` must be callable; got {apply_fn!r}.")
+
+    def loss_fn(params: Any, batch: Mapping[str, jax.Array], *, rng=None, model_state=None):
+        if stateful:
+            logits, model_state = apply_fn(
+                params, batch["inputs"], rng=rng, model_state=model_state
+            )
+        else:
+            logits = apply_fn(params, batch["inputs"])
+        loss, aux = cross_entropy_with_z_loss(
+            logits, batch["targets"], z_loss_weight=weight, where=batch.get("mask")
+        )
+        if stateful:
+            aux = {**aux, "model_state": model_state}
+        return loss, aux
+
+    return loss_fn

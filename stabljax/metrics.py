@@ -44,8 +44,10 @@ Z_LOSS = "z_loss"  # float32: the z-loss part (weight · mean log² Z)
 LOG_Z = "log_z"  # float32: mean log Z over the tokens
 LOG_Z_MAX = "log_z_max"  # float32: max log Z over the tokens
 
-# Written by stabljax.nn's Transformer into aux when it reports attention logits.
+# Written by the reference Transformer (stabljax.reference.nn) into aux with return_aux=True.
 MAX_ATTN_LOGIT = "max_attn_logit"  # float32: max over layers, heads, causal positions
+# f32[n_layers + 1], what check_init reads: not a scalar, so no detector can watch it.
+RESIDUAL_RMS = "residual_rms"  # RMS of the residual stream at the input and after each block
 
 # Every key the step (with lm_loss and the reference Transformer) can write.
 STEP_KEYS = (LOSS, GRAD_NORM, UPDATE_NORM, PARAM_NORM, SKIPPED, SKIP_STREAK, OVERFLOW, LOSS_SCALE)

@@ -155,13 +155,16 @@ class DynamicLossScale:
         )
 
 
-def _check_float(name: str, dtype: DTypeLike) -> None:
+def _is_float_dtype(dtype: DTypeLike) -> bool:
     try:
-        ok = jnp.issubdtype(jnp.dtype(dtype), jnp.floating)
+        return bool(jnp.issubdtype(jnp.dtype(dtype), jnp.floating))
     except TypeError:
-        ok = False
-    if not ok:  # the message format of stabljax.optim._base.validate
-        raise ValueError(f"Precision: `{name}` must be a floating dtype; got {dtype!r}.")
+        return False
+
+
+def _check_float(name: str, dtype: DTypeLike) -> None:
+    shown = dtype.__name__ if isinstance(dtype, type) else dtype  # a scalar type is callable
+    validate("Precision", name, shown, lambda _: _is_float_dtype(dtype), "a floating dtype")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -172,7 +175,9 @@ class Precision:
       param_dtype: dtype of the master weights (and so of the optimizer state);
         ``TrainState.create`` casts floating parameters to it.
       compute_dtype: dtype the floating parameters are cast to for the forward and
-        backward pass. Gradients come back in ``param_dtype``; the loss is float32.
+        backward pass (float32 by default, so ``Precision()`` is :meth:`fp32`, the
+        train step's default; it was bfloat16 before 0.2). Gradients come back in
+        ``param_dtype``; the loss is float32.
       loss_scale: a :class:`DynamicLossScale` (float16) or ``None``.
 
     Presets: :meth:`fp32`, :meth:`bf16` and :meth:`fp16`.
@@ -193,7 +198,7 @@ class Precision:
     """
 
     param_dtype: DTypeLike = jnp.float32
-    compute_dtype: DTypeLike = jnp.bfloat16
+    compute_dtype: DTypeLike = jnp.float32
     loss_scale: DynamicLossScale | None = None
 
     def __post_init__(self):

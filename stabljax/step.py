@@ -27,7 +27,6 @@ Metrics (all ``jax.Array`` scalars):
 
 from __future__ import annotations
 
-import dataclasses
 import inspect
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -36,13 +35,13 @@ import flax.struct
 import jax
 import jax.numpy as jnp
 import optax
-from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
-from stabljax import telemetry
-from stabljax.losses import _check_coefficient, cross_entropy_with_z_loss
+from stabljax import metrics, telemetry
+from stabljax.losses import LossFn, lm_loss
+from stabljax.nnx_bridge import nnx_apply, nnx_merge
 from stabljax.optim import guards
-from stabljax.optim._base import with_extra_args
+from stabljax.optim._base import global_norm_f32, with_extra_args
 from stabljax.precision import LossScaleState, Precision, all_finite, scale_loss, unscale_grads
 
 __all__ = (
@@ -221,7 +220,7 @@ def recommended_compiler_options(backend: str | None = None) -> dict[str, Any]:
     On CPU, ``{"xla_cpu_copy_insertion_use_region_analysis": True}``: XLA:CPU's default
     copy insertion copies every donated optimizer moment that two fusions read while one
     of them overwrites it in place, which a guarded update (skip and select) always has:
-    4 extra passes over the parameters with Adam (see BUILD.md, Performance). The region
+    extra passes over the parameters (BUILD.md, Performance, counts them). The region
     analysis orders the two fusions instead (a control dependency) and needs no copy;
     the results are the same. Elsewhere ``{}`` (no such copies were found to remove).
 
@@ -259,74 +258,8 @@ def _jit_options(compiler_options: Any) -> dict[str, Any] | None:
     return dict(compiler_options)
 
 
-LossFn = Callable[..., tuple[jax.Array, Any]]
-_STEP_METRICS = (
-    "loss",
-    "grad_norm",
-    "update_norm",
-    "param_norm",
-    "skipped",
-    "skip_streak",
-    "overflow",
-    "loss_scale",
-    "layers",
-)
-
-
-def lm_loss(
-    apply_fn: Callable[..., Any], *, z_loss: float = 1e-4, stateful: bool = False
-) -> LossFn:
-    r"""The language-model ``loss_fn`` for :func:`make_train_step`: cross-entropy + z-loss.
-
-    ``loss_fn(params, batch, *, rng=None, model_state=None)`` is
-    :func:`~stabljax.losses.cross_entropy_with_z_loss` of
-    ``apply_fn(params, batch["inputs"])`` against the integer ``batch["targets"]``,
-    masked by the optional boolean ``batch["mask"]``; its ``aux`` holds ``ce``,
-    ``z_loss``, ``log_z`` and ``log_z_max``, which the step returns as metrics.
-
-    Args:
-      apply_fn: ``apply_fn(params, inputs) -> logits`` (``[..., vocab]``): linen's
-        ``module.apply``, or the first result of :func:`nnx_apply`. With
-        ``stateful=True``, ``apply_fn(params, inputs, *, rng, model_state) -> (logits,
-        model_state)``, as :func:`nnx_apply` with ``stateful=True`` returns; the new
-        model state goes into ``aux["model_state"]``.
-      z_loss: z-loss weight (>= 0); 0 gives plain cross-entropy.
-      stateful: whether ``apply_fn`` takes and returns model state (see above).
-
-    Returns:
-      ``loss_fn(params, batch, *, rng=None, model_state=None) -> (loss, aux)``.
-
-    Raises:
-      ValueError: if ``z_loss`` is negative or NaN.
-
-    Example:
-      >>> import jax.numpy as jnp
-      >>> from stabljax.step import lm_loss
-      >>> loss_fn = lm_loss(lambda params, inputs: params[inputs], z_loss=0.0)
-      >>> batch = {"inputs": jnp.array([[0, 1]]), "targets": jnp.array([[1, 0]])}
-      >>> loss, aux = loss_fn(jnp.zeros((2, 2)), batch)
-      >>> print(f"{float(loss):.4f}", sorted(aux))  # ln 2
-      0.6931 ['ce', 'log_z', 'log_z_max', 'z_loss']
-    """
-    _check_coefficient(z_loss, "lm_loss")
-    if not callable(apply_fn):
-        raise TypeError(f"lm_loss: `apply_fn` must be callable; got {apply_fn!r}.")
-
-    def loss_fn(params: Any, batch: Mapping[str, jax.Array], *, rng=None, model_state=None):
-        if stateful:
-            logits, model_state = apply_fn(
-                params, batch["inputs"], rng=rng, model_state=model_state
-            )
-        else:
-            logits = apply_fn(params, batch["inputs"])
-        loss, aux = cross_entropy_with_z_loss(
-            logits, batch["targets"], z_loss=z_loss, where=batch.get("mask")
-        )
-        if stateful:
-            aux = {**aux, "model_state": model_state}
-        return loss, aux
-
-    return loss_fn
+# The step's own metric names (one source: stabljax.metrics); aux must not reuse them.
+_STEP_METRICS = (*metrics.STEP_KEYS, metrics.LAYERS)
 
 
 def _accepted_kwargs(fn: Callable[..., Any]) -> frozenset[str] | None:
@@ -529,19 +462,19 @@ def make_train_step(
             new_model_state = _select(keep, state.model_state, new_model_state)
         if next_rng is not None:
             next_rng = _select(keep, state.rng, next_rng)
-        metrics = {
-            "loss": loss,
+        out = {
+            metrics.LOSS: loss,
             **aux,
-            "grad_norm": telemetry.global_norm(grads),
-            "update_norm": telemetry.global_norm(updates),
-            "param_norm": telemetry.global_norm(state.params),
-            "skipped": skipped,
-            "skip_streak": jnp.asarray(guards.skip_streak(opt_state), jnp.int32),
-            "overflow": overflow,
-            "loss_scale": scale,
+            metrics.GRAD_NORM: global_norm_f32(grads),
+            metrics.UPDATE_NORM: global_norm_f32(updates),
+            metrics.PARAM_NORM: global_norm_f32(state.params),
+            metrics.SKIPPED: skipped,
+            metrics.SKIP_STREAK: jnp.asarray(guards.skip_streak(opt_state), jnp.int32),
+            metrics.OVERFLOW: overflow,
+            metrics.LOSS_SCALE: scale,
         }
         if layer_metrics:
-            metrics["layers"] = telemetry.layer_metrics(grads, state.params, updates)
+            out[metrics.LAYERS] = telemetry.layer_metrics(grads, state.params, updates)
         new_state = TrainState(
             step=optax.safe_increment(state.step),
             params=params,
@@ -550,141 +483,7 @@ def make_train_step(
             rng=next_rng,
             model_state=new_model_state,
         )
-        return new_state, metrics
+        return new_state, out
 
     options = _jit_options(compiler_options)
     return jax.jit(step, donate_argnums=(0,) if donate else (), compiler_options=options)
-
-
-def _reseed(model_state: nnx.State, rng: jax.Array) -> nnx.State:
-    """``model_state`` with every RNG stream's key drawn from ``rng`` and its count at 0.
-
-    Functional, as ``nnx.reseed`` may not write, inside ``jax.grad``, to Variables that
-    came in from the outer ``jit``: stream ``tag`` gets ``fold_in(rng, i)``, ``i`` its
-    rank among the tags.
-    """
-
-    def is_var(x):
-        return isinstance(x, nnx.Variable)
-
-    variables = jax.tree.leaves(model_state, is_leaf=is_var)
-    tags = sorted({v.tag for v in variables if isinstance(v, (nnx.RngKey, nnx.RngCount))})
-    index = {t: i for i, t in enumerate(tags)}
-
-    def reseed(v):
-        if isinstance(v, nnx.RngKey):
-            return v.replace(jax.random.fold_in(rng, index[v.tag]))
-        if isinstance(v, nnx.RngCount):
-            return v.replace(jnp.zeros_like(v[...]))
-        return v
-
-    return jax.tree.map(reseed, model_state, is_leaf=is_var)
-
-
-def nnx_apply(
-    model: nnx.Module, *, stateful: bool = False, **call_kwargs: Any
-) -> tuple[Callable[..., Any], nnx.State] | tuple[Callable[..., Any], nnx.State, nnx.State]:
-    """Splits an ``nnx.Module`` into a pure apply function and its state.
-
-    As flax's performance guide does: ``graphdef, params, rest = nnx.split(model,
-    nnx.Param, ...)`` once, and ``nnx.merge`` inside the jitted step. Only the
-    ``nnx.Param`` variables are trained.
-
-    - ``stateful=False``: ``(apply_fn, params)`` with ``apply_fn(params, inputs) ->
-      model(inputs)``. The rest of the model's state (RNG streams, batch statistics) is
-      frozen at its value now and closed over as a constant: whatever ``__call__``
-      writes to it is discarded, so dropout would draw the same mask every step. Use
-      it for models without such state, or in eval mode (``model.eval()``).
-    - ``stateful=True``: ``(apply_fn, params, model_state)`` with ``model_state`` the
-      ``nnx.State`` of every other variable (``nnx.BatchStat``, RNG keys and counts, ...)
-      and ``apply_fn(params, inputs, *, rng=None, model_state) -> (outputs,
-      new_model_state)``. With a key ``rng``, every RNG stream of the model (dropout,
-      ...) is reseeded from it first, so the train step's ``TrainState.rng`` drives
-      the randomness; without one, the streams' own counters advance in the model
-      state. Call ``model.train()`` (or ``.eval()``) before, to fix the mode.
-
-    Args:
-      model: the module; it is not modified.
-      stateful: return the non-param state and an ``apply_fn`` that threads it and RNG.
-      **call_kwargs: passed to every call, e.g. ``return_aux=True`` for a
-        :class:`~stabljax.nn.TransformerLM` whose aux :func:`stabljax.check_init` reads.
-
-    Returns:
-      ``(apply_fn, params)`` or, with ``stateful=True``, ``(apply_fn, params,
-      model_state)``, for :func:`lm_loss` or your own ``loss_fn`` and for
-      :meth:`TrainState.create`. :func:`nnx_merge` puts trained state back.
-
-    Example:
-      >>> import jax, jax.numpy as jnp
-      >>> from flax import nnx
-      >>> from stabljax.step import nnx_apply, nnx_merge
-      >>> model = nnx.Linear(3, 2, rngs=nnx.Rngs(0))
-      >>> apply_fn, params = nnx_apply(model)
-      >>> apply_fn(params, jnp.ones((1, 3))).shape
-      (1, 2)
-      >>> nnx_merge(model, params).kernel[...].shape
-      (3, 2)
-      >>> bn = nnx.BatchNorm(2, rngs=nnx.Rngs(0))
-      >>> apply_fn, params, model_state = nnx_apply(bn, stateful=True)
-      >>> y, model_state = apply_fn(params, jnp.array([[0.0, 2.0], [2.0, 4.0]]),
-      ...                           model_state=model_state)
-      >>> print(model_state["mean"][...])  # 0.99 * 0 + 0.01 * [1, 3]
-      [0.01 0.03]
-    """
-    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
-    if stateful:
-
-        def stateful_apply(params, inputs, *, rng=None, model_state):
-            if rng is not None:
-                model_state = _reseed(model_state, rng)
-            # copy: fresh Variables at this trace level (inside jax.grad), which the call
-            # may write to; the ones passed in belong to the outer jit.
-            module = nnx.merge(graphdef, params, model_state, copy=True)
-            out = module(inputs, **call_kwargs)
-            _, _, new_state = nnx.split(module, nnx.Param, ...)
-            return out, new_state
-
-        return stateful_apply, params, rest
-    if not jax.tree.leaves(rest):
-        # Hashable by value: two models of one architecture share jit caches keyed on it
-        # (check_init compiles once for several inits of the same model).
-        return _MergeApply(graphdef, tuple(sorted(call_kwargs.items()))), params
-
-    def apply_fn(params: nnx.State, inputs: jax.Array) -> jax.Array:
-        return nnx.merge(graphdef, params, rest)(inputs, **call_kwargs)
-
-    return apply_fn, params
-
-
-@dataclasses.dataclass(frozen=True)
-class _MergeApply:
-    graphdef: Any
-    call_kwargs: tuple[tuple[str, Any], ...]
-
-    def __call__(self, params: nnx.State, inputs: jax.Array) -> Any:
-        return nnx.merge(self.graphdef, params)(inputs, **dict(self.call_kwargs))
-
-
-def nnx_merge(
-    model_or_graphdef: nnx.Module | nnx.GraphDef, params: nnx.State, model_state: Any = None
-) -> nnx.Module:
-    """Returns a new module with trained ``params`` (the inverse of :func:`nnx_apply`).
-
-    Args:
-      model_or_graphdef: the module given to :func:`nnx_apply` (its non-param state
-        is kept unless ``model_state`` is given; the module itself is not modified), or
-        a ``GraphDef`` of a module whose whole state is params (plus ``model_state``).
-      params: ``state.params`` of a :class:`TrainState`. With ``donate=True`` the
-        next step call invalidates these buffers: merge after the last step, or merge
-        a copy.
-      model_state: ``state.model_state`` (trained BatchNorm statistics, ...), or None.
-
-    Returns:
-      The module, with ``params`` as its ``nnx.Param`` values.
-    """
-    if isinstance(model_or_graphdef, nnx.Module):
-        graphdef, _, rest = nnx.split(model_or_graphdef, nnx.Param, ...)
-        return nnx.merge(graphdef, params, rest if model_state is None else model_state)
-    if model_state is None:
-        return nnx.merge(model_or_graphdef, params)
-    return nnx.merge(model_or_graphdef, params, model_state)

@@ -19,6 +19,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from stabljax import metrics
+from stabljax.optim._base import all_finite
 from stabljax.optim._base import global_norm_f32 as global_norm
 
 __all__ = (
@@ -94,32 +96,27 @@ def layer_metrics(grads: Any, params: Any, updates: Any) -> dict[str, dict[str, 
     flat, treedef = jax.tree_util.tree_flatten_with_path(params)
     g_leaves = treedef.flatten_up_to(grads)
     u_leaves = treedef.flatten_up_to(updates)
-    out: dict[str, dict[str, jax.Array]] = {
-        "grad_norm": {},
-        "param_norm": {},
-        "update_ratio": {},
-        "nonfinite_grad": {},
-    }
+    out: dict[str, dict[str, jax.Array]] = {k: {} for k in metrics.LAYER_KEYS}
     for (path, p), g, u in zip(flat, g_leaves, u_leaves, strict=True):
         key = path_str(path)
         p_norm = global_norm(p)
         g = jnp.asarray(g)
-        out["grad_norm"][key] = global_norm(g)
-        out["param_norm"][key] = p_norm
-        out["update_ratio"][key] = _ratio(global_norm(u), p_norm)
-        out["nonfinite_grad"][key] = jnp.logical_not(jnp.all(jnp.isfinite(g)))
+        out[metrics.LAYER_GRAD_NORM][key] = global_norm(g)
+        out[metrics.LAYER_PARAM_NORM][key] = p_norm
+        out[metrics.LAYER_UPDATE_RATIO][key] = _ratio(global_norm(u), p_norm)
+        out[metrics.LAYER_NONFINITE_GRAD][key] = jnp.logical_not(all_finite(g))
     return out
 
 
-def layer_metrics_to_host(metrics: Mapping[str, Any]) -> dict[str, float]:
+def layer_metrics_to_host(step_metrics: Mapping[str, Any]) -> dict[str, float]:
     """Fetches per-layer metrics to the host as a flat ``{"metric/path": float}`` dict.
 
     Host-side: one ``jax.device_get`` for the whole dict. Call it on the metrics of a
     step that has already finished (e.g. one step late) so the device is not idle.
 
     Args:
-      metrics: the metrics of a step made with ``layer_metrics=True`` (its ``layers``
-        entry is used), or the output of :func:`layer_metrics` itself.
+      step_metrics: the metrics of a step made with ``layer_metrics=True`` (its
+        ``layers`` entry is used), or the output of :func:`layer_metrics` itself.
 
     Returns:
       ``{f"{metric}/{path}": float}``, e.g. ``"grad_norm/dense/w"``; flags become
@@ -132,7 +129,8 @@ def layer_metrics_to_host(metrics: Mapping[str, Any]) -> dict[str, float]:
       >>> layer_metrics_to_host(layer_metrics(p, p, p))
       {'grad_norm/w': 5.0, 'nonfinite_grad/w': 0.0, 'param_norm/w': 5.0, 'update_ratio/w': 1.0}
     """
-    layers = metrics["layers"] if "layers" in metrics else metrics
+    m = step_metrics
+    layers = m[metrics.LAYERS] if metrics.LAYERS in m else m
     host = jax.device_get(dict(layers))
     out = {}
     for metric, per_path in host.items():

@@ -9,7 +9,7 @@ optimizer = stabljax.skip_nonfinite(
     stabljax.skip_spikes(stabljax.safe_adamw(learning_rate=3e-3, b2=0.95))
 )
 precision = stabljax.Precision.bf16()  # float32 master weights, bf16 compute, float32 loss
-loss_fn = stabljax.lm_loss(apply_fn, z_loss=1e-4)  # cross-entropy + z-loss of the logits
+loss_fn = stabljax.lm_loss(apply_fn, z_loss_weight=1e-4)  # cross-entropy + z-loss of the logits
 train_step = stabljax.make_train_step(loss_fn, optimizer, precision=precision)
 state = stabljax.TrainState.create(params, optimizer, precision)
 batches = stabljax.lm_batch_fn(stabljax.default_corpus(1_000_000), batch_size=8, seq_len=32)

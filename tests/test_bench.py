@@ -16,6 +16,7 @@ BENCHES = {
     "rollback": ("seconds", "checkpoint_bytes", "ratios", "targets", "n_params"),
     "detectors": ("slow_false_alarms", "slow_delay", "spike", "real_curves", "ratios", "targets"),
     "generic_step": ("per_step", "ratios", "targets", "n_params", "hlo_identical"),
+    "triage": ("ratios", "targets", "samples"),
 }
 RATIOS = {
     "optimizer_update": (
@@ -47,9 +48,10 @@ RATIOS = {
         "bytes_generic/legacy",
         "bytes_generic/legacy (plain-opt)",
     ),
+    "triage": ("triage/plain_large", "triage/plain_small"),
 }
 # Those that compile a whole train step several times take tens of seconds.
-SLOW = {"train_step", "controller", "generic_step"}  # generic_step: see the test below
+SLOW = {"train_step", "controller", "generic_step", "triage"}  # generic_step: see the test below
 
 
 @pytest.mark.parametrize(
@@ -69,6 +71,11 @@ def test_quick_run_writes_results(name, tmp_path):
         assert key in results["ratios"], key
         assert isinstance(results["ratios"][key], float), key
     assert set(returned["ratios"]) == set(results["ratios"])
+    if name == "triage":  # it timed the triage it meant to: the garbage batch, named
+        runs = results["samples"]["large"]
+        assert [(r["verdict"], r["culprits"]) for r in runs] == [("data", [mod.Config.bad])]
+        # (the quick "small" model, 7.5k params, calls it "state": from the earlier
+        # checkpoint its NUL-batch loss is not a spike by the triage rule)
     table = (tmp_path / f"{name}.md").read_text()
     assert table.startswith("# ") and "| ratio | value | target |" in table
 

@@ -321,7 +321,7 @@ def test_spam_matches_numpy_reference(theta, b2):
     tx = _tx(clip_spikes_per_coordinate, theta, b2)
     outs, states, _ = _run(tx, seq)
     chex.assert_trees_all_close(outs, ref, rtol=1e-5, atol=1e-7)
-    counts = [int(s.spam_clipped) for s in states]
+    counts = [int(s.spam_clipped_coords) for s in states]
     assert counts[0] == 0 and counts[5] > 0 and counts[9] > 0
     assert sum(counts) == sum(
         int(np.sum(np.asarray(o) != np.asarray(g)))
@@ -353,7 +353,7 @@ def test_adagc_matches_numpy_reference(lam, beta):
     outs, states, final = _run(_tx(clip_by_adagc, lam, beta), seq)
     chex.assert_trees_all_close(outs, ref, rtol=1e-5, atol=1e-8)
     np.testing.assert_allclose(jax.tree.leaves(final.adagc_gamma), gammas, rtol=1e-5)
-    assert int(states[0].adagc_clipped) == 0 and int(states[4].adagc_clipped) > 0
+    assert int(states[0].adagc_clipped_tensors) == 0 and int(states[4].adagc_clipped_tensors) > 0
 
 
 def test_adagc_tensor_with_zero_history_starts_fresh():
@@ -364,7 +364,7 @@ def test_adagc_tensor_with_zero_history_starts_fresh():
     np.testing.assert_allclose(outs[1]["a"], np.full(3, 5.0))  # no clip against gamma = 0
     np.testing.assert_allclose(np.linalg.norm(outs[1]["b"]), 1.05 * math.sqrt(3), rtol=1e-6)
     np.testing.assert_allclose(final.adagc_gamma["a"], 5.0 * math.sqrt(3), rtol=1e-6)
-    assert int(states[1].adagc_clipped) == 1
+    assert int(states[1].adagc_clipped_tensors) == 1
 
 
 # --------------------------------------------------------------------------- all transforms

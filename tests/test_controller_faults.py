@@ -56,6 +56,10 @@ def _run(directory, steps, batch_fn, *, state=STATE0, step=STEP, **kw):
     return ctl, state, data
 
 
+def _host(tree):
+    return jax.device_get(tree)
+
+
 def _kinds(directory):
     return [e.kind for e in read_events(pathlib.Path(directory) / "events.jsonl")]
 
@@ -529,6 +533,54 @@ def test_sigterm_in_process_saves_at_the_next_boundary_and_resumes_exactly(tmp_p
     assert ctl2.rollbacks == reference[0].rollbacks
 
 
+def _signal_at_call(k):
+    """STEP, sending this process SIGTERM right after its ``k``-th call (1-based)."""
+    calls = {"n": 0}
+
+    def step(state, batch):
+        calls["n"] += 1
+        out = STEP(state, batch)
+        if calls["n"] == k:
+            os.kill(os.getpid(), signal.SIGTERM)
+        return out
+
+    return step
+
+
+def _preempt_at_call_and_resume(directory, reference, k):
+    with _controller(directory) as ctl:
+        ctl.run(
+            _signal_at_call(k), STATE0, IndexedBatches(batch_fn_factory(BAD)), 120, progress=False
+        )
+    assert ctl.last_run.preempted or ctl.last_run.reached
+    ctl2 = _resume_here(directory, reference, extra=0)
+    assert ctl2.rollbacks == reference[0].rollbacks
+    return ctl
+
+
+@pytest.mark.parametrize("k", [36, 81], ids=["after_batch_35", "after_batch_80"])
+def test_a_signal_right_after_a_bad_batch_skips_what_the_uninterrupted_run_skips(
+    tmp_path, reference, k
+):
+    # The k-th step trains on a bad batch. Stopping off a save boundary reads its loss
+    # one step early, and the rollback it triggers must count the next batch as fed, as
+    # the uninterrupted run does (batch 36 is bad too): before, the resumed run skipped
+    # [20, 36), met batch 36 and rolled back once more.
+    ctl = _preempt_at_call_and_resume(tmp_path, reference, k)
+    kinds = _kinds(tmp_path)
+    cut = kinds.index("preempted")
+    assert "rollback" in kinds[cut - 3 : cut], kinds[: cut + 1]
+    assert ctl.skipped_ranges == reference[0].skipped_ranges[: len(ctl.skipped_ranges)]
+
+
+@pytest.mark.slow
+def test_a_signal_after_any_step_resumes_exactly(tmp_path, reference):
+    # Every step of the run, the rolled-back branches' included (152 calls in all).
+    for k in range(1, 153):
+        _preempt_at_call_and_resume(tmp_path / str(k), reference, k)
+        shutil.rmtree(tmp_path / str(k))
+
+
 def _sweep(tmp_path, reference, signum, n, seed):
     d, out = tmp_path / "ckpt", tmp_path / "final.npz"
     extra = ["--run", "--extra", "2000000", "--signals", "term,int"]
@@ -609,3 +661,33 @@ def test_in_a_hand_written_loop_step_raises_preempted_after_saving(tmp_path):
     with _controller(tmp_path) as ctl:
         state, data = ctl.restore_or_init(STATE0, IndexedBatches(batch_fn_factory()))
         assert ctl.current_step == 14 and data.index == 14
+
+
+def test_a_checkpoint_written_before_a_state_field_rename_resumes(tmp_path):
+    # 0.1 named SkipSpikesState.spike_accepted_steps `spike_count` and
+    # SkipNonfiniteState.nonfinite_inner_state `inner_state`; such a checkpoint resumes.
+    from stabljax.control.meta import from_legacy, legacy_view
+
+    state0, step = make_toy(skip_nonfinite(skip_spikes(optax.sgd(0.05))))
+    old_state0 = legacy_view(state0)
+    assert jax.tree.structure(old_state0) != jax.tree.structure(state0)
+    assert "spike_count" in type(old_state0.opt_state.inner_state)._fields
+
+    @jax.jit
+    def old_step(state, batch):  # what 0.1 wrote: the same numbers under the old names
+        state, metrics = step(from_legacy(state), batch)
+        return legacy_view(state), metrics
+
+    fn = batch_fn_factory()
+    _, ref, _ = _run(tmp_path / "ref", 30, fn, state=state0, step=step)
+    _run(tmp_path / "run", 20, fn, state=old_state0, step=old_step)
+    with _controller(tmp_path / "run") as ctl:
+        state, data = ctl.restore_or_init(state0, IndexedBatches(fn))
+        assert ctl.current_step == 20
+        assert type(state.opt_state) is type(state0.opt_state)
+    _, state, _ = _run(tmp_path / "run", 30, fn, state=state0, step=step)
+    chex.assert_trees_all_equal(_host(state), _host(ref))
+    # a state that differs otherwise is still refused, naming the leaves
+    with _controller(tmp_path / "run") as ctl:
+        with pytest.raises(CheckpointMismatch, match="ballast"):
+            ctl.restore_or_init(state0.replace(ballast=jnp.zeros(3)), IndexedBatches(fn))

@@ -721,3 +721,45 @@ def test_no_slow_divergence_alarm_in_2e5_flat_autocorrelated_steps(phi):
 def test_heavy_tailed_false_rollbacks_over_1e5_steps(name):
     xs = HEAVY[name](np.random.default_rng(42), 100_000)
     assert _false_episodes(SpikeDetector(), xs) <= 10  # <= 0.1 per 1000 steps
+
+
+# ---------------------------------------------------------------------------------------
+# The metric a detector watches is checked against stabljax.metrics when it is built.
+# ---------------------------------------------------------------------------------------
+
+DETECTOR_CLASSES = (SpikeDetector, DivergenceDetector, SlowDivergenceDetector)
+
+
+@pytest.mark.parametrize("cls", DETECTOR_CLASSES)
+def test_a_typoed_metric_fails_at_construction_naming_it(cls):
+    with pytest.raises(ValueError, match=rf"{cls.__name__}: metric 'los' is not a metric"):
+        cls(metric="los")
+    with pytest.raises(ValueError, match="'residual_rms'"):
+        cls(metric="residual_rms")  # the model writes it, but not as a scalar
+    with pytest.raises(ValueError, match="'ce'"):
+        cls(metric="ce", extra_keys=("cee",)).update(0, {"loss": 1.0})  # declared, not written
+
+
+@pytest.mark.parametrize("cls", DETECTOR_CLASSES)
+def test_every_key_the_step_writes_is_accepted(cls):
+    from stabljax import metrics
+
+    for key in metrics.STEP_KEYS + metrics.LM_KEYS + metrics.MODEL_KEYS:
+        assert cls(metric=key).metric == key
+
+
+def test_a_declared_extra_key_is_watched():
+    det = SpikeDetector(warmup=5, metric="my_aux", extra_keys=["my_aux"])
+    assert det.extra_keys == ("my_aux",) and det.keys[0] == "my_aux"
+    outs = [det.update(s, {"loss": 2.0, "my_aux": v}) for s, v in enumerate([1.0] * 6 + [50.0])]
+    assert outs[:6] == [None] * 6
+    assert outs[6].kind == "spike" and outs[6].value == 50.0
+    d = DivergenceDetector(metric="my_aux", extra_keys=("my_aux",))
+    assert d.update(0, {"loss": 1.0, "my_aux": float("nan")}).action == "rollback"
+    assert SlowDivergenceDetector(metric="my_aux", extra_keys={"my_aux"}).metric == "my_aux"
+
+
+@pytest.mark.parametrize("extra", ["my_aux", [1], None])
+def test_extra_keys_must_be_strings(extra):
+    with pytest.raises(ValueError, match="extra_keys"):
+        SpikeDetector(metric="loss", extra_keys=extra)

@@ -95,7 +95,7 @@ def test_warmup_two_processes_match_one(tmp_path):
     single = tmp_path / "single"
     _wait([_launch("warmup", single, *LRS, devices=4)])
 
-    assert (outs[0] / "results.json").exists() and (outs[0] / "loss_vs_lr.png").exists()
+    assert (outs[0] / "results.json").exists() and (outs[0] / "loss.png").exists()
     assert not outs[1].exists() or not any(outs[1].iterdir())  # process 1 wrote nothing
     multi = json.loads((outs[0] / "results.json").read_text())
     one = json.loads((single / "results.json").read_text())

@@ -94,7 +94,7 @@ def test_last_axis_sharding_compiles_with_plain_optax_collectives(axis_type, col
 def _fsdp_run(axis_name):
     """One FSDP step under shard_map with a NaN in the last device's shard only.
 
-    Returns per-device (skipped, skips, streak, spike_count, spike_mean[loss]) and the
+    Returns per-device (skipped, skips, streak, spike_accepted_steps, spike_mean[loss]) and the
     updates, gathered over the mesh, for two steps: a clean one, then the NaN one.
     """
     mesh = mesh8("data")
@@ -120,7 +120,7 @@ def _fsdp_run(axis_name):
                 state.spike_skipped.astype(jnp.float32),
                 state.spike_skips.astype(jnp.float32),
                 state.spike_streak.astype(jnp.float32),
-                state.spike_count.astype(jnp.float32),
+                state.spike_accepted_steps.astype(jnp.float32),
                 state.spike_mean[0],
                 state.spike_mean[1],
             ]
@@ -313,12 +313,12 @@ def test_reduce_on_plateau_inside_a_guard_gets_value_and_keeps_state_on_skip():
     state = opt.init(params)
     for loss in (1.0, 1.0, 1.0, 1.0):
         _, state = step({"w": jnp.ones(2)}, state, params, value=loss)
-    scale_before = float(state.inner_state[1].scale)
+    scale_before = float(state.nonfinite_inner_state[1].scale)
     assert scale_before < 1.0  # the plateau was seen: value= reached it
     before = state
     _, state = step({"w": jnp.ones(2)}, state, params, value=jnp.nan)
     assert bool(state.nonfinite_skipped)
-    chex.assert_trees_all_equal(state.inner_state, before.inner_state)
+    chex.assert_trees_all_equal(state.nonfinite_inner_state, before.nonfinite_inner_state)
 
 
 def test_vector_loss_is_rejected_by_every_guard():

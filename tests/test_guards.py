@@ -12,6 +12,7 @@ import optax
 import pytest
 from helpers import mesh8, nested_params, random_grads_like, shard_leading
 
+import stabljax
 from stabljax.optim.guards import (
     SkipNonfiniteState,
     SkipSpikesState,
@@ -88,7 +89,7 @@ def warmed_spike_guard(watch=("loss", "grad_norm"), n=12, warmup=10):
     for i in range(n):
         grads = random_grads_like(params, seed=100 + i)
         _, state = step(grads, state, params, loss=1.0 + 0.05 * rng.standard_normal())
-    assert not bool(state.spike_skipped) and int(state.spike_count) == n
+    assert not bool(state.spike_skipped) and int(state.spike_accepted_steps) == n
     return step, params, state
 
 
@@ -113,14 +114,14 @@ def test_skip_nonfinite_bad_leaf_exact_zeros_and_frozen_state(bad):
     u2, state2 = step(poison(g2, bad), state1, params)
     assert_exact_zeros(u2)
     assert u2["pair"][1] is None
-    assert_bitwise_equal(state2.inner_state, state1.inner_state)
+    assert_bitwise_equal(state2.nonfinite_inner_state, state1.nonfinite_inner_state)
     assert bool(state2.nonfinite_skipped)
     assert int(state2.nonfinite_skips) == 1 and int(state2.nonfinite_streak) == 1
 
     u3, state3 = step(g3, state2, params)
     assert not bool(state3.nonfinite_skipped)
     assert int(state3.nonfinite_skips) == 1 and int(state3.nonfinite_streak) == 0
-    assert int(state3.inner_state[0].count) == 2  # the skipped step did not count
+    assert int(state3.nonfinite_inner_state[0].count) == 2  # the skipped step did not count
 
     # Reference: plain Adam that never saw the bad step.
     r_state = ADAM.init(params)
@@ -128,7 +129,7 @@ def test_skip_nonfinite_bad_leaf_exact_zeros_and_frozen_state(bad):
     r3, r_state = ADAM_STEP(g3, r_state, params)
     chex.assert_trees_all_close(u1, r1, rtol=0, atol=0)
     chex.assert_trees_all_close(u3, r3, rtol=0, atol=0)
-    chex.assert_trees_all_close(state3.inner_state, r_state, rtol=0, atol=0)
+    chex.assert_trees_all_close(state3.nonfinite_inner_state, r_state, rtol=0, atol=0)
 
 
 @pytest.mark.parametrize("loss", [np.nan, np.inf])
@@ -139,11 +140,11 @@ def test_skip_nonfinite_nonfinite_loss_skips(loss):
     grads = random_grads_like(params, seed=1)
     u, state1 = step(grads, state0, params, loss=jnp.float32(loss))
     assert_exact_zeros(u)
-    assert_bitwise_equal(state1.inner_state, state0.inner_state)
+    assert_bitwise_equal(state1.nonfinite_inner_state, state0.nonfinite_inner_state)
     assert bool(state1.nonfinite_skipped)
     u, state2 = step(grads, state1, params, loss=jnp.float32(0.5))
     assert not bool(state2.nonfinite_skipped)
-    assert int(state2.inner_state[0].count) == 1
+    assert int(state2.nonfinite_inner_state[0].count) == 1
     chex.assert_tree_all_finite(u)
 
 
@@ -157,8 +158,8 @@ def test_skip_nonfinite_inf_in_inner_output_skips():
     u, state1 = step(random_grads_like(params, seed=1), state0, params)
     assert_exact_zeros(u)
     assert bool(state1.nonfinite_skipped)
-    assert_bitwise_equal(state1.inner_state, state0.inner_state)
-    assert int(state1.inner_state[0][0].count) == 0
+    assert_bitwise_equal(state1.nonfinite_inner_state, state0.nonfinite_inner_state)
+    assert int(state1.nonfinite_inner_state[0][0].count) == 0
 
 
 @pytest.mark.parametrize("shape", [(), (1,), (3,), (4,), (2, 6), (3, 5), (2, 3, 4)])
@@ -265,7 +266,7 @@ def test_skip_spikes_statistics_match_numpy_reference():
             mean, var = np_weighted_stats(vals, decay)
             np.testing.assert_allclose(float(state.spike_mean[i]), mean, rtol=1e-6)
             np.testing.assert_allclose(float(state.spike_var[i]), var, rtol=1e-4, atol=1e-9)
-        assert int(state.spike_count) == t + 1
+        assert int(state.spike_accepted_steps) == t + 1
         chex.assert_trees_all_close(u, jax.tree.map(lambda g: -0.1 * g, grads), rtol=1e-6)
 
 
@@ -286,7 +287,7 @@ def test_skip_spikes_spike_skipped_then_normal_steps_applied(which):
     assert bool(state.spike_skipped) and int(state.spike_streak) == 1
     assert_exact_zeros(u)
     assert_bitwise_equal(state.spike_inner_state, before.spike_inner_state)
-    for field in ("spike_count", "spike_mean", "spike_var"):
+    for field in ("spike_accepted_steps", "spike_mean", "spike_var"):
         assert_bitwise_equal(getattr(state, field), getattr(before, field))
 
     for t in range(5):
@@ -295,7 +296,7 @@ def test_skip_spikes_spike_skipped_then_normal_steps_applied(which):
         assert not bool(state.spike_skipped), t
         assert int(state.spike_streak) == 0
         assert any(np.any(np.asarray(x) != 0) for x in jax.tree.leaves(u))
-    assert int(state.spike_skips) == 1 and int(state.spike_count) == 12 + 5
+    assert int(state.spike_skips) == 1 and int(state.spike_accepted_steps) == 12 + 5
 
 
 def test_skip_spikes_is_one_sided():
@@ -320,7 +321,7 @@ def test_skip_spikes_nonfinite_does_not_poison_statistics(bad):
     assert bool(state.spike_skipped)
     assert_exact_zeros(u)
     assert_bitwise_equal(state.spike_inner_state, before.spike_inner_state)
-    for field in ("spike_count", "spike_mean", "spike_var"):
+    for field in ("spike_accepted_steps", "spike_mean", "spike_var"):
         assert_bitwise_equal(getattr(state, field), getattr(before, field))
     chex.assert_tree_all_finite((state.spike_mean, state.spike_var))
     for t in range(3):
@@ -343,7 +344,7 @@ def test_skip_spikes_warmup_only_gathers_but_skips_nonfinite():
         np.testing.assert_array_equal(np.asarray(u["w"]), -np.ones(3))
     # A NaN during warmup is still skipped and not counted.
     u, state = step(g, state, params, loss=np.nan)
-    assert bool(state.spike_skipped) and int(state.spike_count) == 4
+    assert bool(state.spike_skipped) and int(state.spike_accepted_steps) == 4
     assert_exact_zeros(u)
     mean, var = np_weighted_stats(wild, 0.99)
     np.testing.assert_allclose(float(state.spike_mean[0]), mean, rtol=1e-6)
@@ -356,7 +357,7 @@ def test_skip_spikes_skips_nonfinite_inner_output_during_warmup():
     opt = skip_spikes(inner, watch=("grad_norm",), check_update=True)
     state0 = opt.init(params)
     u, state = jit_update(opt)({"w": jnp.ones((3,))}, state0, params)
-    assert bool(state.spike_skipped) and int(state.spike_count) == 0
+    assert bool(state.spike_skipped) and int(state.spike_accepted_steps) == 0
     assert_exact_zeros(u)
 
 
@@ -450,7 +451,7 @@ def test_nested_guards_and_helpers():
     # A loss spike: the inner skip_spikes skips (zeros are finite, so the outer does not).
     u, state = step(random_grads_like(params, seed=9), state, params, loss=100.0)
     assert_exact_zeros(u)
-    assert bool(state.inner_state.spike_skipped) and not bool(state.nonfinite_skipped)
+    assert bool(state.nonfinite_inner_state.spike_skipped) and not bool(state.nonfinite_skipped)
     assert bool(any_skipped(state)) and int(skip_streak(state)) == 1
 
     # A NaN loss: the outer guard skips and keeps the whole inner state, spike guard included.
@@ -458,7 +459,7 @@ def test_nested_guards_and_helpers():
     u, state = step(random_grads_like(params, seed=10), state, params, loss=np.nan)
     assert_exact_zeros(u)
     assert bool(state.nonfinite_skipped)
-    assert_bitwise_equal(state.inner_state, before.inner_state)
+    assert_bitwise_equal(state.nonfinite_inner_state, before.nonfinite_inner_state)
     assert bool(jax.jit(any_skipped)(state)) and int(jax.jit(skip_streak)(state)) == 1
 
 
@@ -565,9 +566,9 @@ def test_with_multisteps():
     before = state
     u, state = step(poison(grads[1], jnp.nan), state, params, loss=1.0)
     assert_exact_zeros(u)
-    assert_bitwise_equal(state.inner_state, before.inner_state)
+    assert_bitwise_equal(state.nonfinite_inner_state, before.nonfinite_inner_state)
     u, state = step(grads[1], state, params, loss=1.0)  # emits the mean of grads[0], grads[1]
-    assert int(state.inner_state.inner_opt_state.spike_count) == 1
+    assert int(state.nonfinite_inner_state.inner_opt_state.spike_accepted_steps) == 1
     assert not bool(any_skipped(state))
     assert any(np.any(np.asarray(x) != 0) for x in jax.tree.leaves(u))
 
@@ -619,13 +620,16 @@ def test_sharded_equals_unsharded_and_one_global_decision():
     for (pu, ps), (su, ss) in zip(plain, sharded, strict=True):
         chex.assert_trees_all_close(su, pu, rtol=1e-6, atol=1e-7)
         chex.assert_trees_all_close(ss, ps, rtol=1e-6, atol=1e-7)
-    flags = [(bool(s.nonfinite_skipped), bool(s.inner_state.spike_skipped)) for _, s in sharded]
+    flags = [
+        (bool(s.nonfinite_skipped), bool(s.nonfinite_inner_state.spike_skipped)) for _, s in sharded
+    ]
     assert flags == [(False, False)] * 3 + [(True, False), (False, True), (False, False)]
     for i in (3, 4):  # every leaf, on every device, is zero; the inner state is kept
         assert_exact_zeros(sharded[i][0])
-    assert_bitwise_equal(sharded[3][1].inner_state, sharded[2][1].inner_state)
+    assert_bitwise_equal(sharded[3][1].nonfinite_inner_state, sharded[2][1].nonfinite_inner_state)
     assert_bitwise_equal(
-        sharded[4][1].inner_state.spike_inner_state, sharded[2][1].inner_state.spike_inner_state
+        sharded[4][1].nonfinite_inner_state.spike_inner_state,
+        sharded[2][1].nonfinite_inner_state.spike_inner_state,
     )
 
 
@@ -659,3 +663,21 @@ def test_skip_spikes_valid_edge_hyperparameters():
         u, state = jit_update(opt)({"w": jnp.ones((2,))}, opt.init(params), params)
         assert not bool(state.spike_skipped)  # first step: no statistics yet, only gathers
         np.testing.assert_allclose(np.asarray(u["w"]), [-0.1, -0.1], rtol=1e-7)
+
+
+@pytest.mark.parametrize(
+    "make, old, new",
+    [
+        (lambda: stabljax.skip_nonfinite(optax.sgd(0.1)), "inner_state", "nonfinite_inner_state"),
+        (lambda: stabljax.skip_spikes(optax.sgd(0.1)), "spike_count", "spike_accepted_steps"),
+        (stabljax.clip_spikes_per_coordinate, "spam_clipped", "spam_clipped_coords"),
+        (stabljax.clip_by_adagc, "adagc_clipped", "adagc_clipped_tensors"),
+    ],
+)
+def test_renamed_state_fields_keep_a_deprecated_read_alias(make, old, new):
+    s = make().init({"w": jnp.ones(3)})
+    assert new in s._fields
+    with pytest.warns(DeprecationWarning, match=f"renamed {new}"):
+        alias = getattr(s, old)
+    assert alias is getattr(s, new)
+    assert old not in s._fields  # not a pytree field: checkpoints hold only the new name

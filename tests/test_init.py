@@ -189,6 +189,34 @@ def test_validation(make, match):
         make()
 
 
+def test_schemes_table_every_name_builds_a_plan():
+    # SCHEMES is the table init_plan dispatches on: every name in it builds a plan of
+    # every group, and the two names of OLMo-core's depth scaling give one plan.
+    assert all(callable(fill) for fill in init.SCHEMES.values())
+    for name in init.SCHEMES:
+        scheme = "fixed:0.5" if name == "fixed:<std>" else name
+        plan = init_plan(POST if name == "deepnet" else SPEC, scheme)
+        for group in SPEC.groups():
+            assert plan.entry(group, 0).std > 0
+    a, b = init_plan(SPEC, "depth_scaled"), init_plan(SPEC, "llama_depth")
+    assert a.entries == b.entries
+    assert init_plan(SPEC, "fixed:0.5")["blocks.3.mlp_out"].std == 0.5
+
+
+@pytest.mark.parametrize(
+    ("make", "name"),
+    [
+        (lambda: init.normal("0.1"), "`std`"),
+        (lambda: init.small_init(True), "`d_model`"),
+        (lambda: init.depth_scaled(0.02, 1.5), "`layer`"),
+        (lambda: ArchSpec(d_model=32, n_layers=2, n_heads=4, d_ff=0), "`d_ff`"),
+    ],
+)
+def test_validation_names_the_argument(make, name):
+    with pytest.raises(ValueError, match=name):
+        make()
+
+
 # ---------------------------------------------------------------------------------------
 # check_init on the reference model: the done-when cases, 24 layers at tiny width.
 # ---------------------------------------------------------------------------------------

@@ -9,7 +9,7 @@ import numpy as np
 import optax
 import pytest
 
-from stabljax.losses import cross_entropy_with_z_loss, z_loss
+from stabljax.losses import cross_entropy_with_z_loss, lm_loss, z_loss
 
 # --------------------------------------------------------------------------- reference
 
@@ -47,7 +47,7 @@ ce_jit = jax.jit(cross_entropy_with_z_loss)
 @jax.jit
 def value_and_grad(logits, labels, c, mask):
     # c is traced, so one compilation serves every weight
-    f = lambda x: cross_entropy_with_z_loss(x, labels, z_loss=c, where=mask)
+    f = lambda x: cross_entropy_with_z_loss(x, labels, z_loss_weight=c, where=mask)
     return jax.value_and_grad(f, has_aux=True)(logits)
 
 
@@ -77,7 +77,7 @@ def test_z_loss_function_is_the_unweighted_term():
     logits, labels, mask = random_case((4, 6), seed=1)
     _, _, zt, *_ = naive(logits, labels, 1.0, mask)
     np.testing.assert_allclose(jax.jit(z_loss)(logits, where=mask), zt, rtol=1e-6)
-    _, aux = ce_jit(logits, labels, z_loss=0.25, where=mask)
+    _, aux = ce_jit(logits, labels, z_loss_weight=0.25, where=mask)
     np.testing.assert_allclose(aux["z_loss"], 0.25 * z_loss(logits, where=mask), rtol=1e-6)
     # its gradient: d/dx mean(log^2 Z) = 2 log Z softmax / n
     g = jax.jit(jax.grad(lambda x: z_loss(x)))(logits)
@@ -90,7 +90,7 @@ def test_z_loss_function_is_the_unweighted_term():
 def test_large_logits_are_stable():
     # the float64 naive sum of exp overflows float32 at ~88: ours must not
     logits = np.array([[1000.0, 999.0, -1000.0]], np.float32)
-    loss, aux = ce_jit(logits, np.array([1], np.int32), z_loss=1e-4)
+    loss, aux = ce_jit(logits, np.array([1], np.int32), z_loss_weight=1e-4)
     ref_lz = 1000.0 + np.log1p(np.exp(-1.0))
     np.testing.assert_allclose(aux["log_z"], ref_lz, rtol=1e-6)
     np.testing.assert_allclose(aux["ce"], ref_lz - 999.0, rtol=1e-5)
@@ -122,7 +122,7 @@ def test_zero_weight_equals_optax(masked):
 
 def test_positive_weight_differs_from_optax():
     logits, labels, _ = random_case((4, 9), vocab=13, seed=2, scale=5.0)
-    loss, _ = ce_jit(logits, labels, z_loss=1e-2)
+    loss, _ = ce_jit(logits, labels, z_loss_weight=1e-2)
     ref = optax.softmax_cross_entropy_with_integer_labels(logits, labels).mean()
     assert float(loss) > float(ref) + 1e-3
 
@@ -162,8 +162,8 @@ def test_bf16_math_would_fail_the_tolerance():
 
 def test_mask_equals_loss_on_selected_positions():
     logits, labels, mask = random_case((5, 4), seed=4)
-    loss, aux = ce_jit(logits, labels, z_loss=0.1, where=mask)
-    sel, _ = ce_jit(logits[mask], labels[mask], z_loss=0.1)
+    loss, aux = ce_jit(logits, labels, z_loss_weight=0.1, where=mask)
+    sel, _ = ce_jit(logits[mask], labels[mask], z_loss_weight=0.1)
     np.testing.assert_allclose(loss, sel, rtol=1e-6)
     np.testing.assert_allclose(aux["log_z_max"], ce_jit(logits[mask], labels[mask])[1]["log_z_max"])
 
@@ -173,8 +173,8 @@ def test_nan_at_masked_position_does_not_reach_the_loss():
     mask[0, 1] = False
     poisoned = logits.copy()
     poisoned[0, 1, :] = np.nan
-    a = ce_jit(poisoned, labels, z_loss=0.1, where=mask)
-    b = ce_jit(logits, labels, z_loss=0.1, where=mask)
+    a = ce_jit(poisoned, labels, z_loss_weight=0.1, where=mask)
+    b = ce_jit(logits, labels, z_loss_weight=0.1, where=mask)
     chex.assert_trees_all_close(a, b, rtol=0, atol=0)
 
 
@@ -200,8 +200,8 @@ def test_all_false_mask_gives_zero_not_nan():
 @pytest.mark.parametrize("c", [-1e-4, float("nan")])
 def test_negative_weight_raises(c):
     logits, labels, _ = random_case()
-    with pytest.raises(ValueError, match="`z_loss` must be >= 0"):
-        cross_entropy_with_z_loss(logits, labels, z_loss=c)
+    with pytest.raises(ValueError, match="`z_loss_weight` must be >= 0"):
+        cross_entropy_with_z_loss(logits, labels, z_loss_weight=c)
 
 
 def test_bad_shapes_and_dtypes_raise():
@@ -218,6 +218,17 @@ def test_bad_shapes_and_dtypes_raise():
 
 def test_traced_weight_is_accepted():
     logits, labels, _ = random_case()
-    f = jax.jit(lambda c: cross_entropy_with_z_loss(logits, labels, z_loss=c)[0])
+    f = jax.jit(lambda c: cross_entropy_with_z_loss(logits, labels, z_loss_weight=c)[0])
     ref_loss = naive(logits, labels, 0.5)[0]
     np.testing.assert_allclose(f(jnp.float32(0.5)), ref_loss, rtol=1e-6)
+
+
+def test_z_loss_keyword_is_a_deprecated_alias_of_z_loss_weight():
+    logits = jnp.asarray(np.random.default_rng(3).normal(size=(4, 7)), jnp.float32)
+    labels = jnp.asarray([0, 3, 6, 2], jnp.int32)
+    new = cross_entropy_with_z_loss(logits, labels, z_loss_weight=0.1)
+    with pytest.warns(DeprecationWarning, match="z_loss_weight"):
+        old = cross_entropy_with_z_loss(logits, labels, z_loss=0.1)
+    np.testing.assert_array_equal(np.asarray(old[0]), np.asarray(new[0]))
+    with pytest.warns(DeprecationWarning, match="z_loss_weight"):
+        lm_loss(lambda p, x: x, z_loss=0.1)

@@ -29,7 +29,7 @@ from stabljax.precision import (
         (Precision.fp32(), jnp.float32, False),
         (Precision.bf16(), jnp.bfloat16, False),
         (Precision.fp16(), jnp.float16, True),
-        (Precision(), jnp.bfloat16, False),
+        (Precision(), jnp.float32, False),
     ],
 )
 def test_presets(policy, compute, scaled):
@@ -213,3 +213,10 @@ def test_scale_never_becomes_inf_or_zero():
     bottom = DynamicLossScale(initial_scale=1.0, backoff_factor=1e-10, min_scale=tiny)
     got = np.array([s for s, _ in run_adjust(bottom, [False] * 300)])
     assert np.all(got > 0) and got[-1] == np.float32(tiny)
+
+
+def test_default_policy_is_the_train_steps_default():
+    # Precision() used to mean bf16 compute while make_train_step defaulted to fp32
+    assert Precision() == Precision.fp32()
+    with pytest.raises(ValueError, match="`compute_dtype` must be a floating dtype"):
+        Precision(compute_dtype=jnp.int32)

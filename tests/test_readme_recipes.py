@@ -109,10 +109,10 @@ def test_combinators_recipe(capsys):
     step = stabljax.make_train_step(loss_fn, acc)
     state = stabljax.TrainState.create({"w": jnp.zeros(4)}, acc)
     state, _ = step(state, batch)
-    before = host(state.opt_state.inner_state)  # MultiSteps' accumulator and inner state
+    before = host(state.opt_state.nonfinite_inner_state)  # MultiSteps' accumulator and inner state
     state, m = step(state, nan_batch)
     assert bool(m["skipped"])
-    assert_bitwise_equal(state.opt_state.inner_state, before)
+    assert_bitwise_equal(state.opt_state.nonfinite_inner_state, before)
     for _ in range(8):
         state, m = step(state, batch)
         assert not bool(m["skipped"])

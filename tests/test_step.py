@@ -16,10 +16,10 @@ from helpers import mesh8, shard_leading
 from jax.sharding import NamedSharding, PartitionSpec
 
 from stabljax import telemetry
-from stabljax.data import default_corpus, lm_batch_fn
 from stabljax.losses import cross_entropy_with_z_loss
 from stabljax.optim.guards import skip_nonfinite, skip_spikes
 from stabljax.precision import DynamicLossScale, Precision
+from stabljax.reference.corpus import default_corpus, lm_batch_fn
 from stabljax.step import (
     TrainState,
     lm_loss,
@@ -106,7 +106,7 @@ def assert_bitwise_equal(a, b):
 def reference_loss_and_grads(params, b):
     def f(p):
         return cross_entropy_with_z_loss(
-            tiny_apply(p, b["inputs"]), b["targets"], z_loss=1e-4, where=b.get("mask")
+            tiny_apply(p, b["inputs"]), b["targets"], z_loss_weight=1e-4, where=b.get("mask")
         )
 
     return jax.value_and_grad(f, has_aux=True)(params)
@@ -142,7 +142,7 @@ TRACED_APPLY = chex.assert_max_traces(poisonable_apply, n=1)
 @functools.cache
 def sgd_step():
     """Unguarded SGD (lr 0.5) that records the loss it is given."""
-    return make_train_step(lm_loss(poisonable_apply, z_loss=1e-4), SGD)
+    return make_train_step(lm_loss(poisonable_apply, z_loss_weight=1e-4), SGD)
 
 
 @functools.cache
@@ -227,7 +227,7 @@ def test_guarded_skips_leave_params_and_opt_state_bit_identical():
         assert not bool(m["skipped"])
 
     def inner(opt_state):  # the guarded optimizer's own state
-        return opt_state[1].inner_state.spike_inner_state
+        return opt_state[1].nonfinite_inner_state.spike_inner_state
 
     # The outer guard restores the inner one's state on a NaN, so the spike after two NaNs
     # starts a new spike streak of 1 while the non-finite streak ends: the max is 1.
@@ -304,7 +304,7 @@ def test_mismatched_precision_raises():
 
 def test_bad_arguments_raise():
     with pytest.raises(ValueError, match="z_loss"):
-        lm_loss(tiny_apply, z_loss=-1.0)
+        lm_loss(tiny_apply, z_loss_weight=-1.0)
     with pytest.raises(ValueError, match="precision"):
         make_train_step(lm_loss(tiny_apply), optax.sgd(0.1), precision="bf16")
     with pytest.raises(ValueError, match="compiler_options must be None or a mapping.*got str"):

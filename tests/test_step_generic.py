@@ -111,7 +111,7 @@ def test_generic_loss_model_state_and_rng_match_hand_computed():
         assert float(m["draw"]) == float(jax.random.uniform(step_key))
         assert_bitwise_equal(state.rng, key)
         # the loss reached the optimizer as value= and as loss=
-        inner = state.opt_state.inner_state[1]
+        inner = state.opt_state.nonfinite_inner_state[1]
         assert float(inner["seen_value"]) == float(inner["seen_loss"]) == float(m["loss"])
     assert "model_state" not in m and int(state.step) == 3
 
@@ -188,8 +188,8 @@ def test_bad_make_train_step_arguments_raise():
         make_train_step(None, optax.sgd(0.1))
     with pytest.raises(TypeError, match="rng"):
         TrainState.create({"w": jnp.zeros(3)}, optax.sgd(0.1), rng="seed")
-    with pytest.raises(ValueError, match="`z_loss` must be >= 0"):
-        lm_loss(lambda p, x: x, z_loss=float("nan"))
+    with pytest.raises(ValueError, match="`z_loss_weight` must be >= 0"):
+        lm_loss(lambda p, x: x, z_loss_weight=float("nan"))
 
 
 # --------------------------------------------------------------------------- AOT planning

@@ -3,7 +3,7 @@
 The reference Transformer (about 10M parameters by default). ``legacy`` is the language
 model step ``make_train_step`` was before it took a ``loss_fn`` (its code is copied below,
 verbatim but for the names, as the baseline); ``generic`` is
-``make_train_step(lm_loss(apply_fn, z_loss=...), optimizer)``. Both run the guarded
+``make_train_step(lm_loss(apply_fn, z_loss_weight=...), optimizer)``. Both run the guarded
 optimizer of the README (``skip_nonfinite(skip_spikes(chain(clip_by_zscore(),
 safe_adamw)))``) and, as a second pair, plain ``optax.adamw``. On XLA:CPU every step is
 compiled with ``stabljax.recommended_compiler_options()``. All are timed round-robin in one
@@ -30,7 +30,7 @@ import stabljax
 from experiments.bench.timing import bench_main, compiled_cost, interleaved_medians
 from experiments.common import Setup, build_model, corpus_batches
 from stabljax import telemetry
-from stabljax.losses import _check_coefficient, cross_entropy_with_z_loss
+from stabljax.losses import _z_loss_weight, cross_entropy_with_z_loss
 from stabljax.optim import guards
 from stabljax.optim._base import with_extra_args
 from stabljax.precision import Precision, all_finite, scale_loss, unscale_grads
@@ -69,7 +69,7 @@ def legacy_lm_step(
     donate=True,
     compiler_options=None,
 ):
-    _check_coefficient(z_loss)
+    _z_loss_weight("legacy_lm_step", z_loss, None)
     if not isinstance(precision, Precision):
         raise ValueError(f"precision must be a stabljax Precision, got {type(precision)}")
     tx = with_extra_args(optimizer)
@@ -78,7 +78,7 @@ def legacy_lm_step(
     def loss_fn(params, batch, ls_state):
         logits = apply_fn(precision.cast_to_compute(params), batch["inputs"])
         loss, aux = cross_entropy_with_z_loss(
-            logits, batch["targets"], z_loss=z_loss, where=batch.get("mask")
+            logits, batch["targets"], z_loss_weight=z_loss, where=batch.get("mask")
         )
         return scale_loss(loss, ls_state), (loss, aux)
 
@@ -178,7 +178,7 @@ def run(cfg: Config) -> tuple[list[dict], dict]:
             apply_fn, opt, z_loss=cfg.z_loss, compiler_options=options
         ),
         "generic": lambda opt: stabljax.make_train_step(
-            stabljax.lm_loss(apply_fn, z_loss=cfg.z_loss), opt, compiler_options=options
+            stabljax.lm_loss(apply_fn, z_loss_weight=cfg.z_loss), opt, compiler_options=options
         ),
     }
     runners, costs, hlo = {}, {}, {}

@@ -89,7 +89,8 @@ def bench_main(
     ``targets``; ``title(cfg, results)`` heads the Markdown file. ``stem`` names the
     files, or is a function of the config that does.
     """
-    from experiments.common import markdown_table, parse_config, write_results
+    from experiments.cli import parse_config
+    from experiments.common import markdown_table, write_results
 
     cfg, args = parse_config(config_cls, argv, description, name="bench")
     rows, results = run(cfg)

@@ -144,7 +144,7 @@ def _tpu_steps(cfg: Config) -> dict:
     def guarded(apply_fn):
         opt = _guarded_opt(cfg.lr)
         step = stabljax.make_train_step(
-            stabljax.lm_loss(apply_fn, z_loss=cfg.z_loss), opt, precision=precision
+            stabljax.lm_loss(apply_fn, z_loss_weight=cfg.z_loss), opt, precision=precision
         )
 
         def args(params, rule, batch):
@@ -265,7 +265,7 @@ def run(cfg: Config) -> tuple[list[dict], dict]:
         opt = make_opt()
         state = stabljax.TrainState.create(jax.tree.map(jax.numpy.copy, params0), opt)
         step = stabljax.make_train_step(
-            stabljax.lm_loss(apply_fn, z_loss=cfg.z_loss),
+            stabljax.lm_loss(apply_fn, z_loss_weight=cfg.z_loss),
             opt,
             layer_metrics=layers,
             compiler_options=compiler_options,

@@ -10,7 +10,8 @@ an index) and the event log.
 * :class:`SpikeDetector`, :class:`DivergenceDetector`, :class:`SlowDivergenceDetector` —
   host-side detectors with checkpointable state.
 * :class:`Event`, :class:`EventLog`, :func:`read_events` — the event records and
-  ``events.jsonl``.
+  ``events.jsonl`` (versioned: :data:`SCHEMA_VERSION`, docs/events.md).
+* :class:`TriageConfig` — after a rollback, replay the window to classify the spike.
 """
 
 from stabljax.control.checkpoints import CheckpointMismatch as CheckpointMismatch
@@ -32,19 +33,23 @@ from stabljax.control.detect import default_detectors as default_detectors
 from stabljax.control.detect import mann_kendall as mann_kendall
 from stabljax.control.detect import sen_slope as sen_slope
 from stabljax.control.events import EVENT_KINDS as EVENT_KINDS
+from stabljax.control.events import SCHEMA_VERSION as SCHEMA_VERSION
 from stabljax.control.events import Event as Event
 from stabljax.control.events import EventKind as EventKind
 from stabljax.control.events import EventLog as EventLog
+from stabljax.control.events import EventSchemaError as EventSchemaError
 from stabljax.control.events import read_events as read_events
 from stabljax.control.ledger import TrainingDiverged as TrainingDiverged
 from stabljax.control.lifecycle import DataExhausted as DataExhausted
 from stabljax.control.lifecycle import Preempted as Preempted
 from stabljax.control.lifecycle import RunResult as RunResult
+from stabljax.control.triage import TriageConfig as TriageConfig
 from stabljax.control.writers import JsonlMetricsWriter as JsonlMetricsWriter
 from stabljax.control.writers import TensorBoardMetricsWriter as TensorBoardMetricsWriter
 
 __all__ = (
     "EVENT_KINDS",
+    "SCHEMA_VERSION",
     "CheckpointMismatch",
     "CheckpointSaveError",
     "DataExhausted",
@@ -55,6 +60,7 @@ __all__ = (
     "Event",
     "EventKind",
     "EventLog",
+    "EventSchemaError",
     "GrainDatasetIterator",
     "GrainLoaderIterator",
     "IndexedBatches",
@@ -67,6 +73,7 @@ __all__ = (
     "SpikeDetector",
     "TensorBoardMetricsWriter",
     "TrainingDiverged",
+    "TriageConfig",
     "as_data_iterator",
     "default_detectors",
     "mann_kendall",

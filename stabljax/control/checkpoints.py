@@ -12,12 +12,12 @@ controller tells it which steps to keep and which to restore.
   finished. A save that fails is a ``save_failed`` event and a
   :class:`CheckpointSaveError` naming the step and the directory, with the space needed
   when the disk is full.
-* **Fingerprints.** The state's fingerprint is two wrap-around uint32 sums per leaf,
-  computed on device; the meta item carries a SHA-256 digest of itself, so a changed
-  ledger or detector state is caught like corrupted tensor data.
-* **Resume checks.** The meta item lists every leaf of the state (path, dtype, shape;
-  ``None`` leaves too); :func:`describe_mismatch` compares that list with the state given
-  on resume, so a changed model, optimizer or dtype is reported as such, never restored
+* **Fingerprints and resume checks** (in :mod:`stabljax.control.meta`). The state's
+  fingerprint is two wrap-around uint32 sums per leaf, computed on device; the meta item
+  carries a SHA-256 digest of itself, so a changed ledger or detector state is caught like
+  corrupted tensor data. The meta item lists every leaf of the state;
+  :func:`~stabljax.control.meta.check_compatible` compares it with the state given on
+  resume, so a changed model, optimizer or dtype is reported as such, never restored
   partially.
 """
 
@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import concurrent.futures
 import errno
-import hashlib
 import json
 import os
 import pathlib
@@ -33,21 +32,40 @@ import shutil
 import threading
 import time
 import uuid
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import grain
 import jax
-import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
-from jax import lax
-from jax.experimental import multihost_utils
 
 from stabljax.control import policy
 from stabljax.control.data import GrainDatasetIterator, GrainLoaderIterator
 
-META_VERSION = 1
+# So are the host reads and the agreement across hosts, in host.py.
+from stabljax.control.host import all_agree as all_agree
+from stabljax.control.host import atomic_write_json as atomic_write_json
+from stabljax.control.host import barrier as barrier
+from stabljax.control.host import check_directory as check_directory
+from stabljax.control.host import check_state as check_state
+from stabljax.control.host import host_scalars as host_scalars
+from stabljax.control.host import is_primary as is_primary
+from stabljax.control.host import to_host as to_host
+from stabljax.control.host import try_everywhere as try_everywhere
+
+# The meta item's contents and checks live in meta.py; their names stay importable here.
+from stabljax.control.meta import META_VERSION as META_VERSION
+from stabljax.control.meta import CheckpointMismatch as CheckpointMismatch
+from stabljax.control.meta import check_compatible as check_compatible
+from stabljax.control.meta import describe_mismatch as describe_mismatch
+from stabljax.control.meta import fingerprint as fingerprint
+from stabljax.control.meta import from_legacy, legacy_view, written_before_rename
+from stabljax.control.meta import jsonable as jsonable
+from stabljax.control.meta import leaf_specs as leaf_specs
+from stabljax.control.meta import meta_digest as meta_digest
+from stabljax.control.meta import state_bytes as state_bytes
+
 TRASH = "stabljax-trash"
 CORRUPT = "stabljax-corrupt"
 
@@ -67,76 +85,8 @@ class CheckpointSaveError(OSError):
         return str(self.strerror)
 
 
-class CheckpointMismatch(RuntimeError, ValueError):
-    """The train state or data config given on resume differs from the checkpoint's."""
-
-
 # ---------------------------------------------------------------------------------------
-# Host reads, fingerprints and device copies.
-
-
-def to_host(x: Any) -> np.ndarray:
-    """A numpy copy of ``x``; on several hosts the same value on every process."""
-    if isinstance(x, jax.Array):
-        if x.is_fully_addressable:
-            return np.asarray(x)
-        if x.is_fully_replicated:
-            return np.asarray(x.addressable_data(0))
-        return np.asarray(multihost_utils.process_allgather(x, tiled=True))
-    return np.asarray(x)
-
-
-def host_scalars(metrics: Mapping[str, Any], keys: frozenset[str] | None) -> dict[str, Any]:
-    """Host Python scalars for the 0-d entries of ``metrics`` (all, or those in ``keys``)."""
-    wanted = {
-        k: v
-        for k, v in metrics.items()
-        if (keys is None or k in keys)
-        and not (isinstance(v, Mapping) or v is None)
-        and np.shape(v) == ()
-    }
-    for v in wanted.values():  # start every copy before waiting on the first
-        if isinstance(v, jax.Array) and v.is_fully_addressable:
-            v.copy_to_host_async()
-    return {k: to_host(v).item() for k, v in wanted.items()}
-
-
-def _leaf_fingerprint(x: jax.Array) -> jax.Array:
-    if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
-        x = jax.random.key_data(x)
-    if x.dtype == jnp.bool_:
-        x = x.astype(jnp.uint8)
-    if jnp.issubdtype(x.dtype, jnp.complexfloating):
-        x = jnp.stack([x.real, x.imag])
-    words = {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32, 8: jnp.uint32}[x.dtype.itemsize]
-    u = lax.bitcast_convert_type(x, words).astype(jnp.uint32)
-    # A position-dependent odd weight, built per axis (no reshape of a sharded array).
-    w = jnp.ones(u.shape, jnp.uint32)
-    mults = (0x9E3779B1, 0x85EBCA77, 0xC2B2AE3D, 0x27D4EB2F)
-    for axis in range(u.ndim):
-        iota = lax.broadcasted_iota(jnp.uint32, u.shape, axis)
-        w = w + iota * jnp.uint32(mults[axis % 4]) * jnp.uint32(2)
-    return jnp.stack([jnp.sum(u, dtype=jnp.uint32), jnp.sum(u * w, dtype=jnp.uint32)])
-
-
-@jax.jit
-def fingerprint(tree: Any) -> jax.Array:
-    """Two uint32 sums per leaf of ``tree`` (dispatched on device, read later)."""
-    leaves = [jnp.asarray(x) for x in jax.tree.leaves(tree)]
-    if not leaves:
-        return jnp.zeros((0,), jnp.uint32)
-    return jnp.concatenate([_leaf_fingerprint(x) for x in leaves])
-
-
-def jsonable(value: Any) -> Any:
-    """``value`` as plain JSON types (a deep copy), or ``None``."""
-    return None if value is None else json.loads(json.dumps(value))
-
-
-def meta_digest(meta: Mapping[str, Any]) -> str:
-    """SHA-256 of the meta item's canonical JSON, its own ``digest`` field left out."""
-    body = {k: v for k, v in meta.items() if k != "digest"}
-    return hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()
+# Device copies and the data item.
 
 
 def device_snapshot(tree: Any) -> Any:
@@ -151,58 +101,6 @@ def device_snapshot(tree: Any) -> Any:
     for i, copy in zip(where, copies, strict=True):
         out[i] = copy
     return jax.tree.unflatten(treedef, out)
-
-
-def leaf_specs(abstract: Any) -> list[list[Any]]:
-    """``[path, dtype, shape]`` of every leaf of ``abstract``, ``None`` leaves included."""
-    flat, _ = jax.tree_util.tree_flatten_with_path(abstract, is_leaf=lambda x: x is None)
-    out = []
-    for path, x in flat:
-        dtype = getattr(x, "dtype", None)
-        shape = getattr(x, "shape", None)
-        out.append(
-            [
-                jax.tree_util.keystr(path),
-                None if x is None else str(dtype if dtype is not None else type(x).__name__),
-                None if shape is None else [int(d) for d in shape],
-            ]
-        )
-    return out
-
-
-def describe_mismatch(
-    saved: Sequence[Sequence[Any]], current: Sequence[Sequence[Any]]
-) -> list[str]:
-    """Lines naming each leaf that was added, removed, or changed dtype or shape."""
-    old = {p: (d, s) for p, d, s in saved}
-    new = {p: (d, s) for p, d, s in current}
-    lines = []
-    for p, (d, s) in new.items():
-        if p not in old:
-            lines.append(f"new leaf {p} ({d}{s if s is not None else ''}) not in the checkpoint")
-        elif old[p][0] is None and d is not None:
-            lines.append(f"leaf {p} is {d}{s} now but was None in the checkpoint")
-        elif d is None and old[p][0] is not None:
-            lines.append(f"leaf {p} is None now but was {old[p][0]}{old[p][1]} in the checkpoint")
-        elif old[p][0] != d:
-            lines.append(f"leaf {p}: dtype {old[p][0]} in the checkpoint, {d} now")
-        elif old[p][1] != s:
-            lines.append(f"leaf {p}: shape {old[p][1]} in the checkpoint, {s} now")
-    lines += [f"leaf {p} of the checkpoint is gone from the state" for p in old if p not in new]
-    return lines
-
-
-def state_bytes(abstract: Any) -> int:
-    """Bytes of the arrays in ``abstract`` (the size of one checkpoint, roughly)."""
-    total = 0
-    for x in jax.tree.leaves(abstract):
-        shape, dtype = getattr(x, "shape", None), getattr(x, "dtype", None)
-        if shape is not None and dtype is not None:
-            try:
-                total += int(np.prod(shape)) * np.dtype(dtype).itemsize
-            except TypeError:  # a PRNG key dtype
-                total += int(np.prod(shape)) * 8
-    return total
 
 
 class _FrozenState:
@@ -239,39 +137,6 @@ def data_item(data: Any, *, restore: bool) -> Any:
     return ocp.args.JsonSave(json.loads(json.dumps(data.get_state())))
 
 
-def check_compatible(
-    meta: Mapping[str, Any], abstract: Any, data_config: Any, directory: pathlib.Path
-) -> None:
-    """Raises :class:`CheckpointMismatch` listing how the state or data config differs."""
-    lines = []
-    if meta.get("leaves") is not None:
-        lines = describe_mismatch(meta["leaves"], leaf_specs(abstract))
-    saved = meta.get("data_config")
-    if saved is not None and saved != data_config:
-        lines.append(f"data config {saved} in the checkpoint, {data_config} now")
-    if lines:
-        raise CheckpointMismatch(
-            f"cannot resume from checkpoint {meta['step']} in {str(directory)!r}: the train "
-            "state's structure changed or the data config changed since it was written (a "
-            "config change, not corruption):\n  " + "\n  ".join(lines) + "\nResume with the "
-            "original model, optimizer, dtypes and data, or use a new directory."
-        )
-
-
-def try_everywhere(fn: Callable[[], Any], log: Callable[..., None], step: int | None) -> Any:
-    """``fn()``, or None (with a ``corrupt_checkpoint`` event) if it fails on any process."""
-    try:
-        result, ok, err = fn(), True, None
-    except Exception as e:  # noqa: BLE001 - any failure to read means "not usable"
-        result, ok, err = None, False, e
-    if not all_agree(ok):
-        if step is not None:
-            reason = f"{type(err).__name__}: {err}"[:500] if err else "failed on another host"
-            log("corrupt_checkpoint", step, reason=reason)
-        return None
-    return result
-
-
 class _Sweeper:
     """Removes directories in daemon threads; :meth:`join` waits for all of them."""
 
@@ -294,66 +159,6 @@ class _Sweeper:
         for thread in self._threads:
             thread.join()
         self._threads = []
-
-
-def is_primary() -> bool:
-    return jax.process_index() == 0
-
-
-def barrier(name: str) -> None:
-    if jax.process_count() > 1:
-        multihost_utils.sync_global_devices(f"stabljax:{name}")
-
-
-def all_agree(ok: bool) -> bool:
-    """True when ``ok`` holds on every process (the same answer everywhere)."""
-    if jax.process_count() == 1:
-        return ok
-    flags = multihost_utils.process_allgather(np.asarray(ok, np.int32))
-    return bool(np.all(flags))
-
-
-def atomic_write_json(path: pathlib.Path, obj: Any) -> None:
-    """Writes ``obj`` to a temporary file, fsyncs it, and renames it over ``path``."""
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    with open(tmp, "w") as f:
-        json.dump(obj, f, allow_nan=False)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    fd = os.open(path.parent, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def check_state(state: Any) -> None:
-    """Raises ``TypeError`` unless ``state`` has the ``step`` field checkpoints count by."""
-    if not hasattr(state, "step"):
-        raise TypeError(
-            f"state must have a 'step' field (int32 scalar), got {type(state).__name__}"
-        )
-
-
-def check_directory(directory: pathlib.Path) -> None:
-    """Creates ``directory`` (and its parents) and checks that it can be written."""
-    probe = directory / f".stabljax-probe-{os.getpid()}-{jax.process_index()}"
-    try:
-        if directory.exists() and not directory.is_dir():
-            raise NotADirectoryError(errno.ENOTDIR, "a file is in the way", str(directory))
-        directory.mkdir(parents=True, exist_ok=True)
-        mode = directory.stat().st_mode
-        if not mode & 0o222:  # root writes anywhere; respect the operator's intent anyway
-            raise PermissionError(errno.EACCES, f"read-only (mode {oct(mode & 0o777)})")
-        probe.write_text("ok")
-        probe.unlink()
-    except OSError as e:
-        raise OSError(
-            e.errno,
-            f"checkpoint directory {str(directory)!r} cannot be created or written "
-            f"({type(e).__name__}: {e}); pass a writable directory",
-        ) from e
 
 
 def _is_disk_full(e: BaseException) -> bool:
@@ -543,7 +348,15 @@ class CheckpointStore:
         items = {"state": ocp.args.StandardRestore(abstract), "meta": ocp.args.JsonRestore()}
         if data_item is not None:
             items["data"] = data_item
-        out = self.manager.restore(step, args=ocp.args.Composite(**items))
+        try:
+            out = self.manager.restore(step, args=ocp.args.Composite(**items))
+        except ValueError:
+            if not written_before_rename(self.read_meta(step), abstract):
+                raise
+            # written before a state field was renamed: read it under the old names
+            items["state"] = ocp.args.StandardRestore(legacy_view(abstract))
+            out = self.manager.restore(step, args=ocp.args.Composite(**items))
+            out = {**out, "state": from_legacy(out["state"])}
         state, meta = out["state"], self._check_meta(step, out["meta"])
         if int(meta["step"]) != step or int(to_host(state.step)) != step:
             raise ValueError(f"checkpoint {step} holds step {meta['step']} / {state.step}")

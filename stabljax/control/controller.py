@@ -27,6 +27,7 @@ import orbax.checkpoint as ocp
 from stabljax.control import checkpoints as ck
 from stabljax.control import lifecycle as lc
 from stabljax.control import policy, recovery
+from stabljax.control import triage as tr
 from stabljax.control.data import DataIterator, as_data_iterator
 from stabljax.control.detect import Detection, Detector, default_detectors
 from stabljax.control.events import Event, EventLog
@@ -71,6 +72,10 @@ class RollbackController:
         for Ctrl-C); JAX's sync point decides on several processes.
       data_config: JSON-able batch size, sequence length, corpus...; default the data's
         ``config``. A resume with another one is a ``CheckpointMismatch``.
+      triage: ``True`` or a :class:`~stabljax.control.triage.TriageConfig`: after each
+        rollback under :meth:`run`, replay the window on copies of the state and log a
+        ``triage`` event (verdict ``data``/``state``/``nondeterministic``, evidence,
+        culprits, attribution). Off by default; ``False`` changes nothing.
 
     Attributes:
       directory, events (the :class:`~stabljax.control.events.EventLog`), detectors, and
@@ -116,6 +121,7 @@ class RollbackController:
         verify: bool = True,
         preemption_signals: Sequence[int] = (signal.SIGTERM,),
         data_config: Any = None,
+        triage: bool | tr.TriageConfig = False,
     ):
         sizes = dict(save_every=save_every, keep=keep, rollback_margin=rollback_margin)
         more = dict(extra_skip=extra_skip, max_rollbacks=max_rollbacks)
@@ -127,6 +133,7 @@ class RollbackController:
         self.max_rollbacks, self.verify = int(max_rollbacks), bool(verify)
         self.async_save, self.background_save = bool(async_save), bool(background_save)
         self.data_config = ck.jsonable(data_config)
+        self.triage, self._train_step = tr.as_config(triage), None
         self.directory = pathlib.Path(directory).absolute()
         self._watch = lc.PreemptionWatch(preemption_signals)
         ck.check_directory(self.directory)
@@ -252,7 +259,7 @@ class RollbackController:
             self._store.poll()
         due = self._step % self.save_every == 0
         if self._watch.should_stop(agree=due):
-            state = self._flush_and_save(state, sync=True, resume_only=not due)
+            state = self._flush_and_save(state, sync=True, off_grid=not due)
             saved = self._saver.saved_at == self._step
             self._log("preempted", self._step, signal=self._watch.signum, saved=saved)
             raise lc.Preempted(self._step, self._watch.signum, saved, state)
@@ -288,6 +295,7 @@ class RollbackController:
         if self._closed or self._step is None or self._data is None:
             state, data = self.restore_or_init(state, data)
         data, target = self._resolve(data), int(num_steps)
+        self._train_step = train_step  # what triage replays
         bar = lc.Progress(target, self._step, enabled=progress)
         try:
             args = (train_step, state, data, target, bar, metrics_writer, log_every)
@@ -336,21 +344,34 @@ class RollbackController:
             "pass the data iterator that restore_or_init returned (it tracks the position)"
         )
 
-    def _process(self, step: int, metrics: Mapping[str, Any]) -> Any:
-        """Feeds one step's metrics to the detectors; returns a restored state or None."""
+    def _process(self, step: int, metrics: Mapping[str, Any], *, early: bool = False) -> Any:
+        """Feeds one step's metrics to the detectors; returns a restored state or None.
+
+        ``early``: read before the next batch was fetched (a preemption off a save
+        boundary). A rollback then counts that batch as fed, as the next step would have,
+        so its skip, and the resumed run, are the uninterrupted run's.
+        """
         found = self._monitor.observe(step, metrics)
         if raising := [d for d in found if d.action == "raise"]:
             headline = f"Training stopped at step {step}: a detector raised."
             recovery.give_up(raising, headline, self._monitor, self._ledger, self._store, self._log)
         triggers = [d for d in found if d.action in ("rollback", "rollback_best")]
-        return self._rollback(triggers) if triggers else None
+        if not triggers:
+            return None
+        fed_end = self._data.next_index + 1 if early else self._data.index
+        return self._rollback(triggers, fed_end)
 
-    def _flush_and_save(self, state: Any, *, sync: bool = False, resume_only=False) -> Any:
+    def _flush_and_save(self, state: Any, *, sync: bool = False, off_grid: bool = False) -> Any:
+        """Reads the pending metrics, then saves unless they rolled back.
+
+        ``off_grid``: a preemption between save steps; the metrics are read early and the
+        checkpoint is a resume point only, never a rollback target.
+        """
         if self._pending is not None:
             pending, self._pending = self._pending, None
-            if (restored := self._process(*pending)) is not None:
+            if (restored := self._process(*pending, early=off_grid)) is not None:
                 return restored
-        self._save(state, sync=sync, resume_only=resume_only)
+        self._save(state, sync=sync, resume_only=off_grid)
         if sync:
             self._store.settle()
             self._saver.retain()
@@ -374,13 +395,13 @@ class RollbackController:
     def _delete_newer_than(self, step: int) -> None:
         self._store.delete_newer_than(step)
 
-    def _rollback(self, triggers: Sequence[Detection]) -> Any:
+    def _rollback(self, triggers: Sequence[Detection], fed_end: int) -> Any:
         r = recovery.roll_back(
             self._store,
             triggers,
             ledger=self._ledger,
             monitor=self._monitor,
-            fed_end=self._data.index,
+            fed_end=fed_end,
             margin=self.rollback_margin,
             extra_skip=self.extra_skip,
             window=self.save_every * self.keep,
@@ -389,12 +410,27 @@ class RollbackController:
             retain=self._saver.retain,
             delete_newer_than=self._delete_newer_than,
             log=self._log,
+            triage=None if self.triage is None else self._triage,
+            narrow=self.triage is not None and self.triage.narrow_skip,
         )
         # The checkpoint's trajectory (detectors, EMA) comes back; the run ledger moves on,
         # and the losses of the abandoned branch leave the history shown in events.
         self._step, self._ledger, self._pending = self._saver.load(r.meta), r.ledger, None
         self._monitor.trim(r.step)
         self._data.skipped_ranges = r.ledger.ranges
+        if r.index < self._data.index:  # a narrowed skip: the batches before it come again
+            self._data.set_state({**self._data.get_state(), "index": r.index})
         recovery.seek(self._data, r.index, r.state, self._step)
         self._log("restore", r.step, data_index=self._data.index, reason="rollback")
         return r.state
+
+    def _triage(self, **where: Any) -> dict[str, Any]:
+        return tr.for_rollback(
+            self.triage,
+            step_fn=self._train_step,
+            data=self._data,
+            steps=self._store.steps(),
+            restore=functools.partial(self._restore, data=False),
+            history=list(self._monitor.recent),
+            **where,
+        )

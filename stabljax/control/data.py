@@ -94,6 +94,11 @@ class DataIterator(Iterator[Any]):
         return self._index
 
     @property
+    def next_index(self) -> int:
+        """The index of the batch ``next()`` yields: ``index``, moved past a skipped range."""
+        return first_allowed(self._index, self._ranges)
+
+    @property
     def skipped_ranges(self) -> list[tuple[int, int]]:
         return list(self._ranges)
 
@@ -126,7 +131,7 @@ class DataIterator(Iterator[Any]):
 
     def __next__(self) -> Any:
         if self._ranges:
-            self.seek(first_allowed(self._index, self._ranges))
+            self.seek(self.next_index)
         batch = self._fetch()
         self._index += 1
         return batch

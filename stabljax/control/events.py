@@ -7,6 +7,12 @@ JSON-able ``details`` dict. :class:`EventLog` keeps them in memory and appends e
 to ``events.jsonl`` as a single ``write`` of one whole line, flushed and fsynced, so a
 crash (even SIGKILL) leaves at most a torn last line, which :func:`read_events` skips and
 the next append starts on a fresh line.
+
+Every line carries ``"schema": SCHEMA_VERSION`` ("major.minor"); docs/events.md
+documents each kind and its fields. A reader accepts its own major version (a newer
+minor may add kinds and fields, which it skips or ignores) and raises
+:class:`EventSchemaError` on another major version; a line without the field predates
+versioning and reads as 1.0.
 """
 
 from __future__ import annotations
@@ -34,6 +40,7 @@ EventKind = Literal[
     "diverged",
     "preempted",
     "data_exhausted",
+    "triage",
 ]
 """The kinds of :class:`Event`.
 
@@ -48,7 +55,37 @@ checkpoint. ``skip``: a data range was added to the skip ledger.
 ``diverged``: the controller gave up (:class:`~stabljax.control.controller.TrainingDiverged`).
 ``preempted``: a preemption signal stopped the run at a step boundary (``details["saved"]``).
 ``data_exhausted``: the data ran out before the target step.
+``triage``: after a rollback, a replay of the suspect window classified the spike
+(:mod:`stabljax.control.triage`; ``details["verdict"]``, evidence, culprits, attribution).
 """
+
+SCHEMA_VERSION = "1.0"
+"""The version of the ``events.jsonl`` line format (docs/events.md)."""
+
+
+class EventSchemaError(ValueError):
+    """An ``events.jsonl`` line of a schema version this reader does not know."""
+
+
+def check_schema(version: Any) -> None:
+    """Raises :class:`EventSchemaError` unless ``version`` has :data:`SCHEMA_VERSION`'s major.
+
+    Example:
+      >>> from stabljax.control.events import check_schema
+      >>> check_schema("1.3")
+      >>> check_schema("2.0")
+      Traceback (most recent call last):
+      ...
+      stabljax.control.events.EventSchemaError: events schema '2.0' is not readable here ...
+    """
+    major = SCHEMA_VERSION.split(".")[0]
+    parts = version.split(".") if isinstance(version, str) else []
+    if len(parts) != 2 or parts[0] != major or not all(p.isdigit() for p in parts):
+        raise EventSchemaError(
+            f"events schema {version!r} is not readable here (this reader knows "
+            f"{major}.x, see docs/events.md)"
+        )
+
 
 EVENT_KINDS: tuple[str, ...] = get_args(EventKind)
 
@@ -88,7 +125,7 @@ class Event:
       >>> from stabljax.control.events import Event
       >>> e = Event("save", 100, time=0.0, details={"data_index": 100})
       >>> print(e.to_json())
-      {"kind": "save", "step": 100, "time": 0.0, "details": {"data_index": 100}}
+      {"schema": "1.0", "kind": "save", "step": 100, "time": 0.0, "details": {"data_index": 100}}
       >>> Event.from_json(e.to_json()) == e
       True
     """
@@ -107,7 +144,13 @@ class Event:
 
     def to_dict(self) -> dict[str, Any]:
         """Returns the record as a JSON-able dict."""
-        return {"kind": self.kind, "step": self.step, "time": self.time, "details": self.details}
+        return {
+            "schema": SCHEMA_VERSION,
+            "kind": self.kind,
+            "step": self.step,
+            "time": self.time,
+            "details": self.details,
+        }
 
     def to_json(self) -> str:
         """Returns the record as one line of JSON (no newline)."""
@@ -115,7 +158,9 @@ class Event:
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> Event:
-        """Builds an event from :meth:`to_dict`'s output."""
+        """Builds an event from :meth:`to_dict`'s output (:class:`EventSchemaError` on an
+        unknown schema version; none means 1.0)."""
+        check_schema(d.get("schema", SCHEMA_VERSION))
         return cls(d["kind"], d["step"], time=d["time"], details=dict(d.get("details", {})))
 
     @classmethod
@@ -154,6 +199,10 @@ def append_line(path: str | os.PathLike, line: str) -> None:
 def read_events(path: str | os.PathLike) -> list[Event]:
     """Reads ``events.jsonl``, skipping torn or unparseable lines.
 
+    A whole line of another schema major version raises :class:`EventSchemaError` (its
+    records cannot be trusted to mean what this reader thinks); a kind this version does
+    not know (a newer minor version's) is skipped.
+
     Args:
       path: the file; a missing file gives an empty list.
 
@@ -181,8 +230,14 @@ def read_events(path: str | os.PathLike) -> list[Event]:
             if not line:
                 continue
             try:
-                out.append(Event.from_json(line))
-            except (ValueError, KeyError, TypeError):
+                record = json.loads(line)
+            except ValueError:
+                continue  # a torn line
+            if isinstance(record, dict) and "schema" in record:
+                check_schema(record["schema"])
+            try:
+                out.append(Event.from_dict(record))
+            except (ValueError, KeyError, TypeError, AttributeError):
                 continue
     return out
 

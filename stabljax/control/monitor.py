@@ -16,10 +16,11 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from stabljax.control import policy
-from stabljax.control.checkpoints import host_scalars
 from stabljax.control.detect import Detection, Detector
+from stabljax.control.host import host_scalars
 from stabljax.control.ledger import losses_before
 from stabljax.control.lifecycle import warn
+from stabljax.metrics import LOSS, SKIPPED
 
 EMA_DECAY = 0.98
 
@@ -37,7 +38,7 @@ class Monitor:
             raise ValueError(f"detector names must be unique, got {names}")
         # Only the metrics some detector reads are fetched (each fetch is a host transfer).
         wanted = [getattr(d, "keys", None) for d in self.detectors]
-        self.keys = None if any(k is None for k in wanted) else frozenset({"loss"}.union(*wanted))
+        self.keys = None if any(k is None for k in wanted) else frozenset({LOSS}.union(*wanted))
         self.rolls_back_to_best = any(
             getattr(d, "action", "") == "rollback_best" for d in self.detectors
         )
@@ -48,11 +49,11 @@ class Monitor:
 
     @staticmethod
     def check_metrics(metrics: Any) -> None:
-        """Raises ``ValueError`` unless ``metrics`` is a dict with a ``"loss"``."""
-        if not isinstance(metrics, Mapping) or "loss" not in metrics:
+        """Raises ``ValueError`` unless ``metrics`` is a dict with the loss (``metrics.LOSS``)."""
+        if not isinstance(metrics, Mapping) or LOSS not in metrics:
             keys = sorted(metrics) if isinstance(metrics, Mapping) else type(metrics).__name__
             raise ValueError(
-                f"metrics must be a dict with a scalar 'loss' entry (the train step's loss); "
+                f"metrics must be a dict with a scalar {LOSS!r} entry (the train step's loss); "
                 f"got {keys}"
             )
 
@@ -71,8 +72,8 @@ class Monitor:
         controller does not know is a ``ValueError`` here.
         """
         host = host_scalars(metrics, self.keys)
-        loss = self.last_loss = float(host["loss"])
-        self.recent.append((step, loss, bool(host.get("skipped", False))))
+        loss = self.last_loss = float(host[LOSS])
+        self.recent.append((step, loss, bool(host.get(SKIPPED, False))))
         if math.isfinite(loss):
             self.ema[0] = EMA_DECAY * self.ema[0] + (1 - EMA_DECAY) * loss
             self.ema[1] += 1

@@ -2,9 +2,9 @@
 
 No Orbax, no JAX, no I/O: which checkpoints to keep, which one a rollback restores,
 which data range it skips, whether a save may happen now, and which configurations
-cannot work. Each is testable in microseconds (``tests/test_policy.py``).
+cannot work. Each is tested on its own, without a model (``tests/test_policy.py``).
 
-The rules (``/work/shared/REFERENCES.md``, "Rollback controller"):
+The rules:
 
 * **Target.** The newest checkpoint with ``step <= onset - rollback_margin``; if none is
   that old, the oldest kept one (``margin_met`` false). ``rollback_best`` detections go to

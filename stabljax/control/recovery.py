@@ -123,6 +123,8 @@ def roll_back(
     retain: Callable[[], None],
     delete_newer_than: Callable[[int], None],
     log: Callable[..., None],
+    triage: Callable[..., dict[str, Any]] | None = None,
+    narrow: bool = False,
 ) -> Restored:
     """Restores the rollback target for ``triggers`` and records the skip, crash-safely.
 
@@ -134,6 +136,12 @@ def roll_back(
     Args:
       fed_end: one past the last data index fed before the rollback.
       window: ``save_every * keep``, the span that makes rollbacks consecutive.
+      triage: ``triage(target=, state=, meta=, onset=, ranges=)`` returns the ``triage``
+        event's details (:func:`stabljax.control.triage.for_rollback`); it runs on copies
+        after the restore and before the rollback record, so a crash during it leaves
+        nothing that resume reads.
+      narrow: on a ``data`` verdict with culprits, the skip starts at the first culprit
+        instead of the checkpoint's data position (the end is unchanged).
     """
     if ledger.rollbacks >= max_rollbacks:
         headline = (
@@ -159,6 +167,10 @@ def roll_back(
             f"restored (tried {order})"
         )
     target, (state, meta) = found
+    report = None
+    if triage is not None:
+        args = dict(target=target, state=state, meta=meta, onset=onset, ranges=ledger.ranges)
+        report = triage(**args)
     skip = policy.skip_range(
         start=int(meta["data_index"]),
         fed_end=fed_end,
@@ -167,6 +179,11 @@ def roll_back(
         last_rollback=ledger.last_rollback,
         window=window,
     )
+    narrowed = narrow and report is not None and report["verdict"] == "data"
+    narrowed = narrowed and bool(report["culprits"]) and min(report["culprits"]) > skip.start
+    if narrowed:
+        first = min(report["culprits"])
+        skip = policy.Skip(first, skip.end, skip.end - first, skip.doubled)
     entry = {
         "detected": detected,
         "onset": onset,
@@ -177,8 +194,10 @@ def roll_back(
         "reason": "; ".join(d.reason for d in triggers),
         "losses": losses,
     }
+    if report is not None:
+        entry["verdict"], entry["culprits"] = report["verdict"], report["culprits"]
     new = ledger.after_rollback(entry, (skip.start, skip.end))
-    resume_at = first_allowed(skip.end, new.ranges)
+    resume_at = first_allowed(int(meta["data_index"]) if narrowed else skip.end, new.ranges)
     if ck.is_primary():
         record = new.record(target_step=target, data_index=resume_at, time=time.time())
         ck.atomic_write_json(store.directory / RECORD, record)
@@ -195,4 +214,6 @@ def roll_back(
         rollbacks=new.rollbacks,
     )
     log("skip", detected, range=entry["range"], length=skip.length, doubled=skip.doubled)
+    if report is not None:
+        log("triage", detected, narrowed=narrowed, **report)
     return Restored(state, meta, new, resume_at, target)

@@ -1,20 +1,15 @@
-"""Adam variants that never divide 0 by 0: safe Adam (eps = 0 allowed) and Adam-atan2.
+"""Safe Adam and AdamW: Adam that never divides 0 by 0 (``eps = 0`` allowed).
 
-Both keep the second moment in float32 (or wider) whatever the leaf dtype, the first
-moment in float32 for float16 (and integer) leaves, and form the update ratio in
-float32, so float16 and bfloat16 leaves neither underflow a moment nor flush a tiny
-``eps`` to zero. Updates are cast back to the dtype of the incoming gradients; integer
-gradients get float32 updates, as with :func:`optax.adam`.
-
-Inputs are checked: hyperparameters when the transform is built (a negative or NaN
-learning rate, a decay outside [0, 1), ...), and gradients when it is traced (a
-gradient whose shape differs from its parameter's raises instead of broadcasting into
-the moments).
+The moments keep float32 (or wider) statistics whatever the leaf dtype (see
+:mod:`stabljax.optim._moments`). Inputs are checked: hyperparameters when the
+transform is built (a negative or NaN learning rate, a decay outside [0, 1), ...), and
+gradients when it is traced (a gradient whose shape differs from its parameter's
+raises instead of broadcasting into the moments). Adam-atan2 lives in
+:mod:`stabljax.optim.atan2` and is re-exported here.
 """
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -23,7 +18,13 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from stabljax.optim._base import validate
+from stabljax.optim._moments import (
+    _check_adam,
+    _check_learning_rate,
+    _check_nonnegative,
+    scale_by_moments,
+)
+from stabljax.optim.atan2 import ScaleByAdamAtan2State, adamw_atan2, scale_by_adam_atan2
 
 __all__ = [
     "ScaleByAdamAtan2State",
@@ -43,58 +44,6 @@ class ScaleBySafeAdamState(NamedTuple):
     count: jax.Array  # shape=(), int32
     mu: optax.Updates  # like params, dtype mu_dtype or the param dtype
     nu: optax.Updates  # like params, float32 (float64 for float64 params)
-
-
-class ScaleByAdamAtan2State(NamedTuple):
-    """State of :func:`scale_by_adam_atan2`."""
-
-    count: jax.Array  # shape=(), int32
-    mu: optax.Updates  # like params, dtype mu_dtype or the param dtype
-    nu: optax.Updates  # like params, float32 (float64 for float64 params)
-
-
-# ----------------------------------------------------------------------------- validation
-
-
-def _check_decay(owner: str, name: str, value: Any) -> None:
-    validate(owner, name, value, lambda x: (x >= 0) & (x < 1), "in [0, 1)")
-
-
-def _check_nonnegative(owner: str, name: str, value: Any) -> None:
-    validate(owner, name, value, lambda x: x >= 0, ">= 0")
-
-
-def _check_positive(owner: str, name: str, value: Any) -> None:
-    validate(owner, name, value, lambda x: x > 0, "> 0")
-
-
-def _check_adam(owner: str, b1: Any, b2: Any, eps: Any, eps_root: Any) -> None:
-    _check_decay(owner, "b1", b1)
-    _check_decay(owner, "b2", b2)
-    _check_nonnegative(owner, "eps", eps)
-    _check_nonnegative(owner, "eps_root", eps_root)
-    values = [_concrete_float(x) for x in (b1, b2, eps, eps_root)]
-    if any(v is None for v in values):
-        return  # traced (inject_hyperparams): checked when first built
-    fb1, fb2, feps, feps_root = values
-    if feps == 0 and feps_root == 0 and fb1 > 0 and fb1 * fb1 >= fb2:
-        raise ValueError(
-            f"{owner}: `b2` must be > b1**2 = {fb1 * fb1:.6g} when eps = eps_root = 0; got "
-            f"{b2!r}. With b1**2 >= b2 the update m_hat / sqrt(v_hat) has no bound: after "
-            f"a gradient stops it grows like (b1 / sqrt(b2))**t. Raise b2 (e.g. 0.999), "
-            "lower b1, or set eps > 0."
-        )
-
-
-def _concrete_float(value: Any) -> float | None:
-    if callable(value):
-        return None
-    try:
-        return float(np.asarray(value))
-    except (TypeError, ValueError, jax.errors.ConcretizationTypeError):
-        return None
-    except jax.errors.TracerArrayConversionError:
-        return None
 
 
 def ratio_bound(b1: float, b2: float, t: int | None = None, *, nesterov: bool = False) -> float:
@@ -162,159 +111,6 @@ def ratio_bound(b1: float, b2: float, t: int | None = None, *, nesterov: bool = 
     if nesterov:
         return float(b1 * m_bound / (1.0 - b1 ** (t + 1)) + (1.0 - b1) * g_bound / (1.0 - b1**t))
     return float(m_bound / (1.0 - b1**t))
-
-
-def _check_atan2(owner: str, b1: Any, b2: Any, a: Any, b: Any) -> None:
-    _check_decay(owner, "b1", b1)
-    _check_decay(owner, "b2", b2)
-    _check_positive(owner, "a", a)
-    _check_positive(owner, "b", b)
-
-
-def _check_learning_rate(owner: str, value: Any) -> None:
-    # A negative (or NaN) rate would silently ascend; a schedule is the schedule's business.
-    validate(
-        owner,
-        "learning_rate",
-        value,
-        lambda x: np.isfinite(x) & (x >= 0),
-        "a finite number >= 0 or a schedule (to maximise, negate the loss)",
-    )
-
-
-# ----------------------------------------------------------------------------- moments
-
-
-def _compute_dtype(dtype) -> jnp.dtype:
-    # float16/bfloat16 -> float32; float32, float64 and complex kept; integer (and bool)
-    # gradients -> float32, as in optax (whose moments promote them to float).
-    if not jnp.issubdtype(dtype, jnp.inexact):
-        return jnp.dtype(jnp.float32)
-    return jnp.promote_types(dtype, jnp.float32)
-
-
-def _nu_dtype(dtype) -> jnp.dtype:
-    return jnp.finfo(_compute_dtype(dtype)).dtype  # real part of the compute dtype
-
-
-def _mu_dtype(dtype, mu_dtype) -> jnp.dtype:
-    """The first moment's dtype: ``mu_dtype`` if given, else the param dtype, widened.
-
-    A float16 first moment underflows as the second would ((1 - b1) g flushes to 0 for
-    |g| below about 6e-7 with b1 = 0.9), and an integer one truncates to 0, so both are
-    kept in float32. bfloat16 has float32's exponent range and stays bfloat16, as optax
-    keeps it.
-    """
-    if mu_dtype is not None:
-        return mu_dtype
-    if dtype == jnp.float16 or not jnp.issubdtype(dtype, jnp.inexact):
-        return _compute_dtype(dtype)
-    return jnp.dtype(dtype)
-
-
-def _update_dtype(g_dtype) -> jnp.dtype:
-    # Updates keep the gradient dtype; integer gradients get a float update, as optax's.
-    return g_dtype if jnp.issubdtype(g_dtype, jnp.inexact) else _compute_dtype(g_dtype)
-
-
-def _abs_sq(x: jax.Array) -> jax.Array:
-    if jnp.iscomplexobj(x):
-        return jnp.real(x * jnp.conj(x))
-    return x**2
-
-
-def _init_moments(params, mu_dtype):
-    mu = jax.tree.map(
-        lambda p: jnp.zeros_like(p, dtype=_mu_dtype(jnp.result_type(p), mu_dtype)), params
-    )
-    nu = jax.tree.map(lambda p: jnp.zeros_like(p, dtype=_nu_dtype(jnp.result_type(p))), params)
-    return mu, nu
-
-
-def _is_none(x) -> bool:
-    return x is None
-
-
-def _check_shapes(owner: str, updates, nu) -> None:
-    """Gradients must have their parameter's shape: broadcasting would reshape the moments."""
-    g_leaves = jax.tree_util.tree_flatten_with_path(updates, is_leaf=_is_none)[0]
-    v_leaves = jax.tree.leaves(nu, is_leaf=_is_none)
-    if len(g_leaves) != len(v_leaves):
-        return  # a structure mismatch: jax.tree.map raises its own error below
-    for (path, g), v in zip(g_leaves, v_leaves, strict=True):
-        if g is None or v is None:
-            continue
-        if jnp.shape(g) != jnp.shape(v):
-            raise ValueError(
-                f"{owner}: the gradient at {jax.tree_util.keystr(path) or 'the root'} has "
-                f"shape {jnp.shape(g)}, but the optimizer state (initialised from the params) "
-                f"has shape {jnp.shape(v)}; pass gradients shaped like the params."
-            )
-
-
-@functools.partial(jax.jit, inline=True)
-def _bias_correction(decay, count):
-    # Jitted (as optax's) so that an eager update with a concrete count does not compile a
-    # new integer_pow for every step.
-    return 1 - decay**count
-
-
-def _update_moments(updates, mu, nu, count_inc, b1, b2, nesterov: bool):
-    """New (mu, nu) in the compute dtype and their bias-corrected estimates (m_hat, v_hat).
-
-    The arithmetic follows ``optax.scale_by_adam`` operation for operation, so float32
-    leaves give optax's values bit for bit; narrower leaves are widened first.
-    """
-
-    def new_mu(g, m):
-        if g is None:
-            return None
-        dt = jnp.promote_types(_compute_dtype(g.dtype), m.dtype)
-        return (1 - b1) * g.astype(dt) + b1 * m.astype(dt)
-
-    def new_nu(g, v):
-        if g is None:
-            return None
-        return (1 - b2) * _abs_sq(g.astype(_compute_dtype(g.dtype))) + b2 * v
-
-    mu_new = jax.tree.map(new_mu, updates, mu, is_leaf=_is_none)
-    nu_new = jax.tree.map(new_nu, updates, nu, is_leaf=_is_none)
-
-    bc1 = _bias_correction(b1, count_inc)
-    bc2 = _bias_correction(b2, count_inc)
-
-    def m_hat_fn(m, g):
-        if m is None:
-            return None
-        if nesterov:
-            bc1_next = _bias_correction(b1, optax.safe_increment(count_inc))
-            g = g.astype(m.dtype)
-            return b1 * (m / bc1_next.astype(m.dtype)) + (1 - b1) * (g / bc1.astype(m.dtype))
-        return m / bc1.astype(m.dtype)
-
-    m_hat = jax.tree.map(m_hat_fn, mu_new, updates, is_leaf=_is_none)
-    v_hat = jax.tree.map(
-        lambda v: None if v is None else v / bc2.astype(v.dtype), nu_new, is_leaf=_is_none
-    )
-    return mu_new, nu_new, m_hat, v_hat
-
-
-def _nan_where_nonfinite(u: jax.Array, v_hat: jax.Array) -> jax.Array:
-    """NaN where the second moment is Inf or NaN, so that no guard misses it.
-
-    An Inf gradient, or a finite one whose square overflows, makes ``v`` Inf for good;
-    ``m / sqrt(v)`` would then be a silent 0 and ``atan2(inf, inf)`` a finite pi/4, and
-    the coordinate would never move again. A NaN update instead lets a guard such as
-    ``skip_nonfinite`` skip the step and keep the state from before it.
-    """
-    return jnp.where(jnp.isfinite(v_hat), u, jnp.full_like(u, jnp.nan))
-
-
-def _store(new, old):
-    """Casts the new moments to the dtypes of the stored ones (no recompile, dtype kept)."""
-    return jax.tree.map(
-        lambda n, o: None if n is None else n.astype(o.dtype), new, old, is_leaf=_is_none
-    )
 
 
 # ----------------------------------------------------------------------------- safe Adam
@@ -418,37 +214,16 @@ def scale_by_safe_adam(
       <https://openreview.net/pdf?id=OM0jvwB8jIp57ZJjtNEZ>`_, 2016
     """
     _check_adam("scale_by_safe_adam", b1, b2, eps, eps_root)
-    mu_dtype = None if mu_dtype is None else jax.dtypes.canonicalize_dtype(mu_dtype)
 
-    def init_fn(params):
-        mu, nu = _init_moments(params, mu_dtype)
-        return ScaleBySafeAdamState(count=jnp.zeros([], jnp.int32), mu=mu, nu=nu)
+    def ratio(g, m, v):
+        d = jnp.sqrt(v + eps_root) + eps
+        zero = d == 0  # NaN compares unequal: a NaN denominator still gives NaN
+        safe_d = jnp.where(zero, jnp.ones_like(d), d)
+        return jnp.where(zero, jnp.zeros_like(m), m / safe_d)
 
-    def update_fn(updates, state, params=None):
-        del params
-        _check_shapes("scale_by_safe_adam", updates, state.nu)
-        count_inc = optax.safe_increment(state.count)
-        mu, nu, m_hat, v_hat = _update_moments(
-            updates, state.mu, state.nu, count_inc, b1, b2, nesterov
-        )
-
-        def ratio(g, m, v):
-            if g is None:
-                return None
-            d = jnp.sqrt(v + eps_root) + eps
-            zero = d == 0  # NaN compares unequal: a NaN denominator still gives NaN
-            safe_d = jnp.where(zero, jnp.ones_like(d), d)
-            u = jnp.where(zero, jnp.zeros_like(m), m / safe_d)
-            return _nan_where_nonfinite(u, v).astype(_update_dtype(g.dtype))
-
-        new_updates = jax.tree.map(ratio, updates, m_hat, v_hat, is_leaf=_is_none)
-        return new_updates, ScaleBySafeAdamState(
-            count=count_inc,
-            mu=_store(mu, state.mu),
-            nu=_store(nu, state.nu),
-        )
-
-    return optax.GradientTransformation(init_fn, update_fn)
+    return scale_by_moments(
+        "scale_by_safe_adam", ScaleBySafeAdamState, ratio, b1, b2, mu_dtype, nesterov
+    )
 
 
 def safe_adam(
@@ -580,176 +355,6 @@ def safe_adamw(
         scale_by_safe_adam(
             b1=b1, b2=b2, eps=eps, eps_root=eps_root, mu_dtype=mu_dtype, nesterov=nesterov
         ),
-        optax.add_decayed_weights(weight_decay, mask),
-        optax.scale_by_learning_rate(learning_rate),
-    )
-
-
-# ----------------------------------------------------------------------------- Adam-atan2
-
-
-def scale_by_adam_atan2(
-    b1: jax.typing.ArrayLike = 0.9,
-    b2: jax.typing.ArrayLike = 0.999,
-    a: jax.typing.ArrayLike = 1.27,
-    b: jax.typing.ArrayLike = 1.0,
-    mu_dtype: jax.typing.DTypeLike | None = None,
-) -> optax.GradientTransformation:
-    r"""Rescales updates by ``a * atan2(m_hat, b * sqrt(v_hat))``: Adam without any eps.
-
-    With the moments and bias corrections of Adam (see :func:`scale_by_safe_adam`),
-
-    .. math::
-
-      u_t = a \cdot \mathrm{atan2}\left(\hat m_t,\; b \sqrt{\hat v_t}\right).
-
-    For small ratios this is :math:`(a/b)\,\hat m_t / \sqrt{\hat v_t}`, Adam's update; it
-    needs no ``eps`` at all: :math:`\mathrm{atan2}(0, 0) = 0`, so all-zero gradients give
-    exact zeros, every coordinate is bounded by :math:`a \pi / 2`, and multiplying every
-    gradient by a constant :math:`c > 0` leaves the updates unchanged. With :math:`b = 1`,
-    :math:`a = 1/\arctan(1) \approx 1.27` keeps Adam's magnitude where :math:`|\hat m|
-    \approx \sqrt{\hat v}` (in general :math:`a = 1/\arctan(1/b)`).
-
-    Precision: as in :func:`scale_by_safe_adam`, :math:`v_t` is kept in float32 for
-    float16/bfloat16 leaves and the update formed in float32, then cast to the gradient
-    dtype. Scale invariance holds while :math:`(1-\beta_2) g^2` is a normal float32, i.e.
-    for gradients between about 3e-18 and 1.8e19 in magnitude (tested with gradients of
-    order 1 scaled by 1e-8 and 1e8; float16 and bfloat16 gradients always fit). A NaN or
-    Inf gradient, or one whose square overflows, gives a NaN update in its own
-    coordinates (:math:`\mathrm{atan2}(\infty, \infty)` would be a finite
-    :math:`\pi/4`), so a guard such as ``skip_nonfinite`` skips the step.
-
-    Args:
-      b1: Decay rate of the first moment, in [0, 1).
-      b2: Decay rate of the second moment, in [0, 1).
-      a: Output scale, > 0; updates are bounded by :math:`a\pi/2`.
-      b: Scale of :math:`\sqrt{\hat v}` inside atan2, > 0.
-      mu_dtype: Dtype of the first-moment accumulator; ``None`` uses the param dtype
-        (float32 for float16 and integer params).
-
-    Returns:
-      An :class:`optax.GradientTransformation` whose state is a
-      :class:`ScaleByAdamAtan2State`.
-
-    Raises:
-      ValueError: If a hyperparameter is outside its allowed range.
-
-    Example:
-      >>> import jax.numpy as jnp
-      >>> from stabljax.optim.adam import scale_by_adam_atan2
-      >>> tx = scale_by_adam_atan2()
-      >>> grads = jnp.array([1e-8, -1e8, 0.0])
-      >>> updates, state = tx.update(grads, tx.init(grads))
-      >>> print(jnp.round(updates, 4))  # 1.27 * atan2(+-1, 1) = +-1.27 * pi / 4
-      [ 0.9975 -0.9975  0.    ]
-
-    References:
-      Everett et al., `Scaling Exponents Across Parameterizations and Optimizers
-      <https://arxiv.org/abs/2407.05872>`_, 2024
-
-      Kingma et al., `Adam: A Method for Stochastic Optimization
-      <https://arxiv.org/abs/1412.6980>`_, 2014
-    """
-    _check_atan2("scale_by_adam_atan2", b1, b2, a, b)
-    mu_dtype = None if mu_dtype is None else jax.dtypes.canonicalize_dtype(mu_dtype)
-
-    def init_fn(params):
-        mu, nu = _init_moments(params, mu_dtype)
-        return ScaleByAdamAtan2State(count=jnp.zeros([], jnp.int32), mu=mu, nu=nu)
-
-    def update_fn(updates, state, params=None):
-        del params
-        _check_shapes("scale_by_adam_atan2", updates, state.nu)
-        count_inc = optax.safe_increment(state.count)
-        mu, nu, m_hat, v_hat = _update_moments(
-            updates, state.mu, state.nu, count_inc, b1, b2, nesterov=False
-        )
-
-        def atan2(g, m, v):
-            if g is None:
-                return None
-            if jnp.iscomplexobj(m):
-                raise TypeError(f"scale_by_adam_atan2 needs real gradients, got {g.dtype}.")
-            u = a * jnp.arctan2(m, b * jnp.sqrt(v))
-            return _nan_where_nonfinite(u, v).astype(_update_dtype(g.dtype))
-
-        new_updates = jax.tree.map(atan2, updates, m_hat, v_hat, is_leaf=_is_none)
-        return new_updates, ScaleByAdamAtan2State(
-            count=count_inc,
-            mu=_store(mu, state.mu),
-            nu=_store(nu, state.nu),
-        )
-
-    return optax.GradientTransformation(init_fn, update_fn)
-
-
-def adamw_atan2(
-    learning_rate: optax.ScalarOrSchedule,
-    b1: jax.typing.ArrayLike = 0.9,
-    b2: jax.typing.ArrayLike = 0.999,
-    a: jax.typing.ArrayLike = 1.27,
-    b: jax.typing.ArrayLike = 1.0,
-    mu_dtype: jax.typing.DTypeLike | None = None,
-    weight_decay: optax.ScalarOrSchedule = 1e-4,
-    mask: Any | Callable[[optax.Params], Any] | None = None,
-) -> optax.GradientTransformationExtraArgs:
-    r"""AdamW-atan2: Adam-atan2 updates with decoupled, learning-rate-scaled weight decay.
-
-    .. math::
-
-      \theta_{t+1} = \theta_t - \alpha_t \left( a \cdot \mathrm{atan2}(\hat m_t,
-      b \sqrt{\hat v_t}) + \lambda \theta_t \right),
-
-    i.e. ``chain(scale_by_adam_atan2, add_decayed_weights, scale_by_learning_rate)``; the
-    decay is not multiplied by ``a``, as in the reference implementation. Note that the
-    defaults here (b2 = 0.999, weight decay 1e-4) are Adam's, not those of the
-    adam-atan2-pytorch package (b2 = 0.99, weight decay 0).
-
-    Args:
-      learning_rate: A fixed learning rate or a schedule.
-      b1: Decay rate of the first moment, in [0, 1).
-      b2: Decay rate of the second moment, in [0, 1).
-      a: Output scale, > 0; updates before decay are bounded by :math:`a\pi/2`.
-      b: Scale of :math:`\sqrt{\hat v}` inside atan2, > 0.
-      mu_dtype: Dtype of the first-moment accumulator; ``None`` uses the param dtype
-        (float32 for float16 and integer params).
-      weight_decay: Decoupled weight decay, >= 0, multiplied by the learning rate.
-      mask: A tree of booleans like (or a prefix of) the params, or a callable returning
-        one: ``True`` where weight decay applies.
-
-    Returns:
-      An :class:`optax.GradientTransformationExtraArgs`.
-
-    Raises:
-      ValueError: If a hyperparameter is outside its allowed range.
-
-    Example:
-      >>> import jax
-      >>> import jax.numpy as jnp
-      >>> import optax
-      >>> from stabljax.optim.adam import adamw_atan2
-      >>> def f(x): return jnp.sum((x - 1.0) ** 2)
-      >>> solver = adamw_atan2(learning_rate=0.1, weight_decay=0.0)
-      >>> params = jnp.array([-1.0, 3.0, 1.0])
-      >>> state = solver.init(params)
-      >>> for _ in range(100):
-      ...     updates, state = solver.update(jax.grad(f)(params), state, params)
-      ...     params = optax.apply_updates(params, updates)
-      >>> print(jnp.round(params, 1))
-      [1. 1. 1.]
-
-    References:
-      Everett et al., `Scaling Exponents Across Parameterizations and Optimizers
-      <https://arxiv.org/abs/2407.05872>`_, 2024
-
-      Loshchilov et al., `Decoupled Weight Decay Regularization
-      <https://arxiv.org/abs/1711.05101>`_, 2019
-    """
-    _check_learning_rate("adamw_atan2", learning_rate)
-    _check_atan2("adamw_atan2", b1, b2, a, b)
-    _check_nonnegative("adamw_atan2", "weight_decay", weight_decay)
-    return optax.chain(
-        scale_by_adam_atan2(b1=b1, b2=b2, a=a, b=b, mu_dtype=mu_dtype),
         optax.add_decayed_weights(weight_decay, mask),
         optax.scale_by_learning_rate(learning_rate),
     )

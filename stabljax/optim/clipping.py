@@ -19,7 +19,13 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from stabljax.optim._base import all_finite, global_norm_f32, is_nonneg_int, validate
+from stabljax.optim._base import (
+    all_finite,
+    global_norm_f32,
+    is_nonneg_int,
+    rename_fields,
+    validate,
+)
 
 __all__ = [
     "ClipByAdagcState",
@@ -340,7 +346,10 @@ class ClipSpikesPerCoordinateState(NamedTuple):
     """State of :func:`clip_spikes_per_coordinate`."""
 
     spam_nu: Any  # pytree like params, float32: EMA of the clipped squared gradient
-    spam_clipped: jax.Array  # shape=(), int32: coordinates clipped this step
+    spam_clipped_coords: jax.Array  # shape=(), int32: coordinates clipped this step
+
+
+rename_fields(ClipSpikesPerCoordinateState, spam_clipped="spam_clipped_coords")
 
 
 def clip_spikes_per_coordinate(
@@ -382,7 +391,7 @@ def clip_spikes_per_coordinate(
       >>> state = clip.init(jnp.zeros(2))
       >>> _, state = clip.update(jnp.array([1.0, 1.0]), state)  # v = [0.5, 0.5]
       >>> g, state = clip.update(jnp.array([-10.0, 1.0]), state)
-      >>> print(g.tolist(), int(state.spam_clipped))
+      >>> print(g.tolist(), int(state.spam_clipped_coords))
       [-1.4142135381698608, 1.0] 1
 
     References:
@@ -395,7 +404,7 @@ def clip_spikes_per_coordinate(
     def init_fn(params):
         return ClipSpikesPerCoordinateState(
             spam_nu=jax.tree.map(lambda p: jnp.zeros(jnp.shape(p), _F32), params),
-            spam_clipped=jnp.zeros([], jnp.int32),
+            spam_clipped_coords=jnp.zeros([], jnp.int32),
         )
 
     def update_fn(updates, state, params=None):
@@ -426,7 +435,7 @@ def clip_spikes_per_coordinate(
         out = jax.tree.map(lambda c, g: jnp.where(finite, c, g), clipped, updates)
         new_state = ClipSpikesPerCoordinateState(
             spam_nu=jax.tree.map(lambda n, o: jnp.where(finite, n, o), nu, state.spam_nu),
-            spam_clipped=jnp.where(finite, n_clipped, 0).astype(jnp.int32),
+            spam_clipped_coords=jnp.where(finite, n_clipped, 0).astype(jnp.int32),
         )
         return out, new_state
 
@@ -440,7 +449,10 @@ class ClipByAdagcState(NamedTuple):
     """State of :func:`clip_by_adagc`."""
 
     adagc_gamma: Any  # pytree like params of shape=() float32: EMA of each clipped tensor norm
-    adagc_clipped: jax.Array  # shape=(), int32: tensors clipped this step
+    adagc_clipped_tensors: jax.Array  # shape=(), int32: tensors clipped this step
+
+
+rename_fields(ClipByAdagcState, adagc_clipped="adagc_clipped_tensors")
 
 
 def clip_by_adagc(lambda_rel: float = 1.05, beta: float = 0.98) -> optax.GradientTransformation:
@@ -489,7 +501,7 @@ def clip_by_adagc(lambda_rel: float = 1.05, beta: float = 0.98) -> optax.Gradien
     def init_fn(params):
         return ClipByAdagcState(
             adagc_gamma=jax.tree.map(lambda p: jnp.zeros([], _F32), params),
-            adagc_clipped=jnp.zeros([], jnp.int32),
+            adagc_clipped_tensors=jnp.zeros([], jnp.int32),
         )
 
     def update_fn(updates, state, params=None):
@@ -522,7 +534,7 @@ def clip_by_adagc(lambda_rel: float = 1.05, beta: float = 0.98) -> optax.Gradien
             adagc_gamma=jax.tree.map(
                 lambda n, o: jnp.where(finite, n, o), gamma, state.adagc_gamma
             ),
-            adagc_clipped=jnp.where(finite, n_clipped, 0).astype(jnp.int32),
+            adagc_clipped_tensors=jnp.where(finite, n_clipped, 0).astype(jnp.int32),
         )
         return out, new_state
 

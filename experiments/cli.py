@@ -1,0 +1,127 @@
+"""Config dataclass -> command line, and joining a multi-process run.
+
+Every field of an experiment's frozen config becomes ``--field-name`` (listed in
+``--help`` with its default); ``--quick`` starts from ``Config.quick()``; ``--out`` picks
+the results folder.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import sys
+import types
+import typing
+from collections.abc import Sequence
+from typing import Any
+
+from experiments.common import RESULTS
+
+
+def _field_type(f: dataclasses.Field, hints: dict[str, Any]) -> Any:
+    t = hints.get(f.name, str)
+    if typing.get_origin(t) in (typing.Union, types.UnionType):
+        args = [a for a in typing.get_args(t) if a is not type(None)]
+        t = args[0] if args else str
+    return t
+
+
+def _parse_bool(s: str) -> bool:
+    if s.lower() in ("1", "true", "yes", "on"):
+        return True
+    if s.lower() in ("0", "false", "no", "off"):
+        return False
+    raise argparse.ArgumentTypeError(f"expected a boolean, got {s!r}")
+
+
+class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Shows defaults, except ``None``: config fields default to ``None`` on the command
+    line (unset, so ``--quick`` can fill them) and state their real default in their help."""
+
+    def _get_help_string(self, action):
+        if action.default is None:
+            return action.help
+        return super()._get_help_string(action)
+
+
+def parse_config(cls: type, argv: Sequence[str] | None, description: str, *, name: str):
+    """Builds an argparse CLI from a frozen dataclass; returns ``(config, args)``.
+
+    ``args.command`` is the command line as run (recorded in results.json).
+    """
+    hints = typing.get_type_hints(cls)
+    p = argparse.ArgumentParser(description=description, formatter_class=_HelpFormatter)
+    p.add_argument("--quick", action="store_true", help="tiny smoke-run configuration")
+    p.add_argument("--out", default=str(RESULTS / name), help="results folder")
+    p.add_argument("--no-progress", action="store_true", help="hide the progress bar")
+    g = p.add_argument_group(
+        "multi-process runs",
+        "Start one process per host (or several on one host) with the same command and "
+        "these three flags; each process uses its local devices and process 0 writes the "
+        "results. On a TPU pod slice, SLURM or Open MPI, --distributed finds them by itself.",
+    )
+    g.add_argument(
+        "--coordinator-address",
+        default=None,
+        help="HOST:PORT of process 0, where the processes meet (jax.distributed.initialize)",
+    )
+    g.add_argument("--num-processes", type=int, default=None, help="number of processes")
+    g.add_argument("--process-id", type=int, default=None, help="this process's index")
+    g.add_argument(
+        "--distributed",
+        action="store_true",
+        help="call jax.distributed.initialize() with the cluster's own detection "
+        "(also when JAX_COORDINATOR_ADDRESS or STABLJAX_DISTRIBUTED is set)",
+    )
+    for f in dataclasses.fields(cls):
+        t = _field_type(f, hints)
+        kwargs: dict[str, Any] = {"type": t}
+        if t is bool:
+            kwargs["type"] = _parse_bool
+        elif typing.get_origin(t) is tuple:
+            kwargs = {"type": (typing.get_args(t) or (str,))[0], "nargs": "+"}
+        helptext = f.metadata.get("help", f.name.replace("_", " "))
+        flag = "--" + f.name.replace("_", "-")
+        p.add_argument(flag, default=None, help=f"{helptext} (default {f.default})", **kwargs)
+    args = p.parse_args(argv)
+    base = cls.quick() if args.quick and hasattr(cls, "quick") else cls()
+    changes = {}
+    for f in dataclasses.fields(cls):
+        v = getattr(args, f.name)
+        if v is not None:
+            changes[f.name] = tuple(v) if isinstance(v, list) else v
+    shown = list(sys.argv[1:] if argv is None else argv)
+    args.command = " ".join(["python", "-m", f"experiments.{name}", *shown])
+    return dataclasses.replace(base, **changes), args
+
+
+def init_distributed(args: argparse.Namespace | None = None) -> None:
+    """Joins a multi-process run when launched as one; a single process needs nothing.
+
+    With ``--coordinator-address``, ``--num-processes`` and ``--process-id`` (all three)
+    it calls ``jax.distributed.initialize`` with them. With ``--distributed``, or
+    ``JAX_COORDINATOR_ADDRESS`` / ``STABLJAX_DISTRIBUTED`` in the environment, it calls it
+    without arguments, and JAX finds its peers itself. On CPU the collectives between
+    processes go through gloo. Must run before anything touches a JAX device.
+    """
+    import jax
+
+    explicit = {
+        k: getattr(args, k, None) for k in ("coordinator_address", "num_processes", "process_id")
+    }
+    given = [k for k, v in explicit.items() if v is not None]
+    if given and len(given) < 3:
+        missing = sorted(set(explicit) - set(given))
+        raise ValueError(
+            "--coordinator-address, --num-processes and --process-id go together; "
+            f"missing {', '.join('--' + m.replace('_', '-') for m in missing)}"
+        )
+    auto = getattr(args, "distributed", False) or any(
+        os.environ.get(v) for v in ("JAX_COORDINATOR_ADDRESS", "STABLJAX_DISTRIBUTED")
+    )
+    if not given and not auto:
+        return
+    if jax.config.jax_cpu_collectives_implementation in (None, "", "none"):
+        jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    jax.distributed.initialize(**(explicit if given else {}))

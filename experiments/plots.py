@@ -1,0 +1,187 @@
+"""Figures people can read: every seed as a thin line with the mean, labels inside the
+axes, log axes for logits, a y-range that shows the peaks (or marks where they were cut).
+"""
+
+from __future__ import annotations
+
+import os
+import pathlib
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from experiments.common import is_primary
+
+
+def pyplot():
+    """matplotlib's pyplot on the Agg backend (no display needed)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def save_figure(fig, path: pathlib.Path) -> None:
+    """Writes a figure as PNG through a temporary file; process 0 alone writes."""
+    if not is_primary():
+        return
+    path = pathlib.Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp.png")
+    fig.savefig(tmp, dpi=110, bbox_inches="tight")
+    os.replace(tmp, path)
+    pyplot().close(fig)
+
+
+def label(ax, text: str) -> None:
+    """A panel label inside the axes (top left), on a white box."""
+    ax.text(
+        0.02,
+        0.98,
+        text,
+        transform=ax.transAxes,
+        va="top",
+        ha="left",
+        fontsize=8,
+        bbox={"facecolor": "white", "alpha": 0.8, "edgecolor": "none"},
+    )
+
+
+def set_ylim(ax, values: np.ndarray, *, log: bool = False, cap: float | None = None) -> None:
+    """A y-range that shows every finite peak; above ``cap`` values are cut and the cut
+    is marked with a triangle at the top and a note inside the axes."""
+    v = np.asarray(values, dtype=float)
+    v = v[np.isfinite(v)]
+    if v.size == 0:
+        return
+    if log:
+        v = v[v > 0]
+        if v.size == 0:
+            return
+    top = float(v.max())
+    if cap is not None and top > cap:
+        ax.text(
+            0.98,
+            0.98,
+            f"cut at {cap:g}",
+            transform=ax.transAxes,
+            va="top",
+            ha="right",
+            fontsize=7,
+            color="0.3",
+        )
+        top = cap
+    lo = float(v.min())
+    if log:
+        ax.set_yscale("log")
+        ax.set_ylim(lo / 1.5, top * 1.5)
+    else:
+        pad = 0.05 * (top - lo or 1.0)
+        ax.set_ylim(lo - pad, top + pad)
+
+
+def seed_lines(ax, x, ys, *, color, name: str, cap: float | None = None, lw: float = 0.6):
+    """Every row of ``ys`` as a thin line and their mean as a thick one; non-finite
+    points become a cross at the last finite value (a diverged run), values above
+    ``cap`` a triangle at ``cap``."""
+    ys = np.asarray(ys, dtype=float)
+    x = np.asarray(x)
+    for y in ys:
+        shown = np.where(np.isfinite(y), y, np.nan)
+        if cap is not None:
+            over = shown > cap
+            ax.plot(x[over], np.full(over.sum(), cap), "^", ms=3, color=color)
+            shown = np.where(over, np.nan, shown)
+        ax.plot(x, shown, lw=lw, alpha=0.45, color=color)
+        bad = ~np.isfinite(y)
+        if bad.any():
+            i = int(np.argmax(bad))
+            ax.plot(x[i], shown[i - 1] if i else 0, "x", color=color, ms=6)
+    with np.errstate(all="ignore"):
+        mean = np.nanmean(np.where(np.isfinite(ys), ys, np.nan), axis=0)
+    if cap is not None:
+        mean = np.where(mean > cap, np.nan, mean)
+    ax.plot(x, mean, lw=1.8, color=color, label=f"{name} (mean of {len(ys)})")
+
+
+def groups_vs_x(
+    rows: Sequence[dict[str, Any]],
+    *,
+    x: str,
+    y: str,
+    group: str,
+    path: pathlib.Path,
+    title: str,
+    xlabel: str,
+    ylabel: str,
+    logx: bool = True,
+    logy: bool = False,
+    panel: str | None = None,
+) -> None:
+    """``y`` against ``x``, one colour per ``group``: each seed a thin line, the mean thick,
+    non-finite values as crosses at the top. With ``panel``, one subplot per its value."""
+    plt = pyplot()
+    panels = list(dict.fromkeys(r[panel] for r in rows)) if panel else [None]
+    fig, axes = plt.subplots(1, len(panels), figsize=(5.2 * len(panels), 4.2), squeeze=False)
+    for ax, pv in zip(axes[0], panels, strict=True):
+        sub = [r for r in rows if panel is None or r[panel] == pv]
+        allv = np.array([float(r[y]) for r in sub])
+        fin = allv[np.isfinite(allv)]
+        top = float(fin.max()) if fin.size else 1.0
+        for j, g in enumerate(dict.fromkeys(r[group] for r in sub)):
+            rr = [r for r in sub if r[group] == g]
+            xs = sorted({r[x] for r in rr})
+            seeds = sorted({r["seed"] for r in rr})
+            grid = np.array(
+                [
+                    [next(float(r[y]) for r in rr if r[x] == v and r["seed"] == sd) for v in xs]
+                    for sd in seeds
+                ]
+            )
+            seed_lines(ax, xs, grid, color=f"C{j}", name=str(g))
+            bad = [v for i, v in enumerate(xs) if not np.all(np.isfinite(grid[:, i]))]
+            ax.plot(bad, [top] * len(bad), "x", color=f"C{j}", ms=8)
+        if logx:
+            ax.set_xscale("log")
+        set_ylim(ax, allv, log=logy)
+        ax.set_xlabel(xlabel)
+        ax.set_ylabel(ylabel)
+        label(ax, title if pv is None else f"{title}\n{panel} {pv}")
+        ax.legend(fontsize=7, loc="lower right" if not logy else "upper left")
+        ax.grid(alpha=0.3)
+    save_figure(fig, path)
+
+
+def curves(
+    panels: dict[str, dict[str, np.ndarray]],
+    *,
+    path: pathlib.Path,
+    xlabel: str,
+    ylabel: str,
+    logy: bool = False,
+    cap: float | None = None,
+    x: np.ndarray | None = None,
+    marks: dict[str, Sequence[int]] | None = None,
+) -> None:
+    """One subplot per ``panels`` key; in each, one colour per arm (``[seeds, T]``)."""
+    plt = pyplot()
+    fig, axes = plt.subplots(1, len(panels), figsize=(5.2 * len(panels), 4.0), squeeze=False)
+    for ax, (pname, arms) in zip(axes[0], panels.items(), strict=True):
+        allv = []
+        for j, (arm, ys) in enumerate(arms.items()):
+            ys = np.asarray(ys, dtype=float)
+            xs = np.arange(ys.shape[1]) if x is None else x
+            seed_lines(ax, xs, ys, color=f"C{j}", name=arm, cap=cap)
+            allv.append(ys.ravel())
+        set_ylim(ax, np.concatenate(allv), log=logy, cap=cap)
+        for m in (marks or {}).get(pname, ()):
+            ax.axvline(m, color="0.5", ls=":", lw=0.8)
+        ax.set_xlabel(xlabel)
+        ax.set_ylabel(ylabel)
+        label(ax, pname)
+        ax.legend(fontsize=7, loc="upper right")
+        ax.grid(alpha=0.3)
+    save_figure(fig, path)
