@@ -10,11 +10,12 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 _flags = os.environ.get("XLA_FLAGS", "")
 if "xla_force_host_platform_device_count" not in _flags:
     _flags += " --xla_force_host_platform_device_count=8"
-# XLA:CPU aborts the process (SIGABRT) when a device thread reaches a collective more
-# than 40 s after the others. Eight virtual devices on two loaded cores can lag that
-# much (CI lost the main job's smoke run to it); subprocesses inherit the flag.
+# XLA:CPU aborts the process (SIGABRT) when a device thread waits at a collective longer
+# than this (default 40 s). A deadlock then fails in 2 minutes, while a device that lags
+# its peers by less on two loaded cores does not; subprocesses inherit the flag. The hang
+# CI met was a deadlock, not lag: see BUILD.md, "Bounded dispatch".
 if "xla_cpu_collective_call_terminate_timeout_seconds" not in _flags:
-    _flags += " --xla_cpu_collective_call_terminate_timeout_seconds=600"
+    _flags += " --xla_cpu_collective_call_terminate_timeout_seconds=120"
 os.environ["XLA_FLAGS"] = _flags.strip()
 
 import jax  # noqa: E402

@@ -193,6 +193,8 @@ def run_arm(cfg: Config, progs: Programs, arm: str, seed: int, dirs: tuple, bar)
         )
     else:
         for i in range(cfg.steps):
+            if len(calls) >= 2:  # at most two steps in flight (BUILD.md, "Bounded dispatch")
+                jax.block_until_ready(calls[-2]["m"])
             state, m = step(state, batch_fn(i))
             calls.append({"step": i, "index": i, "m": m})
             bar.update(1)

@@ -227,6 +227,8 @@ class Trainer:
         for start in range(0, self.s.steps, k):
             idx = range(start, start + k)
             windows = put(np.stack([_batches(fn, idx) for fn in fns], axis=1))
+            if len(history) >= 2:  # at most two chunks in flight (BUILD.md, "Bounded dispatch")
+                jax.block_until_ready(history[-2])
             state, ms, ev = chunk(state, windows, eval_set)
             history.append(ms)
             losses.append(ev)

@@ -248,6 +248,35 @@ def test_in_a_hand_written_loop_triage_replays_the_step_fn_it_is_given(tmp_path)
     assert len(calls) == t["steps"] == 19  # every replayed batch came from batch_fn
 
 
+def test_a_replay_keeps_at_most_two_steps_in_flight(tmp_path, monkeypatch):
+    # Unbounded async dispatch of multi-device programs deadlocks XLA:CPU (BUILD.md,
+    # "Bounded dispatch"), and a time budget charged at dispatch would not measure work.
+    # So before replayed step k is dispatched, step k - 2's loss must have been waited on
+    # (jax.block_until_ready) or fetched (jax.device_get, which waits).
+    state, step = tw.make_toy()
+    losses, waited, late = [], set(), []
+    real_wait, real_get = jax.block_until_ready, jax.device_get
+
+    def seen(x):
+        waited.update(id(leaf) for leaf in jax.tree.leaves(x))
+        return x
+
+    def replay_step(state, batch):
+        k = len(losses)
+        if k >= 2 and id(losses[k - 2]) not in waited:
+            late.append(k)
+        state, metrics = step(state, batch)
+        losses.append(metrics["loss"])
+        return state, metrics
+
+    monkeypatch.setattr(jax, "block_until_ready", lambda x: real_wait(seen(x)))
+    monkeypatch.setattr(jax, "device_get", lambda x: real_get(seen(x)))
+    ctl, _, _ = _run(tmp_path, triage=TriageConfig(step_fn=replay_step), bad=[35])
+    t = _triage_event(ctl)
+    assert t["verdict"] == "data" and len(losses) == t["steps"] == 19
+    assert late == []
+
+
 @pytest.mark.parametrize(
     "kw, name",
     [
