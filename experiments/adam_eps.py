@@ -27,7 +27,6 @@ from __future__ import annotations
 import dataclasses
 import pathlib
 import sys
-import time
 
 if __package__ in (None, ""):
     sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
@@ -241,29 +240,16 @@ def tables(cfg: Config, rows: list[dict], effects: dict) -> str:
 
 
 def main(argv=None) -> dict:
-    cfg, args = cli.parse_config(Config, argv, __doc__.splitlines()[0], name="adam_eps")
-    cli.init_distributed(args)
-    t0 = time.perf_counter()
-    out = pathlib.Path(args.out)
-    total = len(cfg.widths) * len(cfg.arms) * len(conditions(cfg)) * len(cfg.seeds) * cfg.steps
-    bar = common.progress_bar(total, "adam_eps", disable=args.no_progress)
-    try:
-        rows = run(cfg, bar)
-    finally:
-        bar.close()
+    ex = cli.start(Config, argv, __doc__, name="adam_eps")
+    cfg, out = ex.cfg, ex.out
+    rows = ex.sweep(
+        len(cfg.widths) * len(cfg.arms) * len(conditions(cfg)) * len(cfg.seeds) * cfg.steps,
+        lambda bar: run(cfg, bar),
+    )
     summary, effects = summarize(cfg, rows)
     table = tables(cfg, rows, effects)
     res = {"rows": rows, "effects": effects}
-    common.write_results(
-        out,
-        config=cfg,
-        results=res,
-        table=table,
-        title="Adam epsilon vs tiny gradients, by width",
-        summary=summary,
-        command=args.command,
-        wall_s=time.perf_counter() - t0,
-    )
+    ex.write(res, table=table, title="Adam epsilon vs tiny gradients, by width", summary=summary)
     plots.groups_vs_x(
         [
             {**r, "x": i}

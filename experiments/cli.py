@@ -1,8 +1,10 @@
-"""Config dataclass -> command line, and joining a multi-process run.
+"""Config dataclass -> command line, joining a multi-process run, and one invocation.
 
 Every field of an experiment's frozen config becomes ``--field-name`` (listed in
 ``--help`` with its default); ``--quick`` starts from ``Config.quick()``; ``--out`` picks
-the results folder.
+the results folder. :func:`start` does all of that and returns an :class:`Invocation`,
+which runs the sweep under a progress bar and writes the results with the command line
+and wall time.
 """
 
 from __future__ import annotations
@@ -10,12 +12,15 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
+import pathlib
 import sys
+import time
 import types
 import typing
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
+from experiments import common
 from experiments.common import RESULTS
 
 
@@ -125,3 +130,48 @@ def init_distributed(args: argparse.Namespace | None = None) -> None:
     if jax.config.jax_cpu_collectives_implementation in (None, "", "none"):
         jax.config.update("jax_cpu_collectives_implementation", "gloo")
     jax.distributed.initialize(**(explicit if given else {}))
+
+
+@dataclasses.dataclass
+class Invocation:
+    """One run of an experiment's ``main``: its config, arguments, folder and clock."""
+
+    name: str
+    cfg: Any
+    args: argparse.Namespace
+    out: pathlib.Path
+    t0: float
+
+    def elapsed(self) -> float:
+        return time.perf_counter() - self.t0
+
+    def sweep(self, total: int, run: Callable[[Any], Any]) -> Any:
+        """``run(bar)`` under a progress bar of ``total`` steps, closed on error too."""
+        bar = common.progress_bar(total, self.name, disable=self.args.no_progress)
+        try:
+            return run(bar)
+        finally:
+            bar.close()
+
+    def write(
+        self, results: dict[str, Any], *, table: str, title: str, summary: dict[str, Any]
+    ) -> pathlib.Path:
+        """results.json and results.md in ``out``, with the command line and wall time."""
+        return common.write_results(
+            self.out,
+            config=self.cfg,
+            results=results,
+            table=table,
+            title=title,
+            summary=summary,
+            command=self.args.command,
+            wall_s=self.elapsed(),
+        )
+
+
+def start(cls: type, argv: Sequence[str] | None, doc: str, *, name: str) -> Invocation:
+    """Parses the command line (:func:`parse_config`, the description is ``doc``'s first
+    line), joins a multi-process run if launched as one, and starts the clock."""
+    cfg, args = parse_config(cls, argv, doc.splitlines()[0], name=name)
+    init_distributed(args)
+    return Invocation(name, cfg, args, pathlib.Path(args.out), time.perf_counter())

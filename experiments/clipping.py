@@ -25,7 +25,6 @@ from __future__ import annotations
 import dataclasses
 import pathlib
 import sys
-import time
 
 if __package__ in (None, ""):
     sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
@@ -106,16 +105,11 @@ def run(cfg: Config, bar) -> tuple[list[dict], dict]:
         else:
             clipped = m["clipped"] > 0
         clipped = np.asarray(clipped)
-        for i, sp in enumerate(r.specs):
+        for i in range(len(r.specs)):
             rows.append(
                 {
                     "arm": arm,
-                    "lr": sp["learning_rate"],
-                    "seed": sp["seed"],
-                    "init_loss": float(r.init_loss[i]),
-                    "final_loss": common.finite_or_nan(r.final_loss[i]),
-                    "failed": stats.failed(r.final_loss[i], r.init_loss[i]),
-                    "bursts": stats.burst_count(m["loss"][i]),
+                    **r.outcome(i),
                     "clip_rate": float(np.mean(clipped[i])),
                     "max_grad_norm": float(np.nanmax(m["grad_norm"][i])),
                 }
@@ -191,16 +185,11 @@ def tables(cfg: Config, rows: list[dict], effects: dict) -> str:
 
 
 def main(argv=None) -> dict:
-    cfg, args = cli.parse_config(Config, argv, __doc__.splitlines()[0], name="clipping")
-    cli.init_distributed(args)
-    t0 = time.perf_counter()
-    out = pathlib.Path(args.out)
-    total = len(cfg.arms) * len(cfg.lrs) * len(cfg.seeds) * cfg.steps
-    bar = common.progress_bar(total, "clipping", disable=args.no_progress)
-    try:
-        rows, curves = run(cfg, bar)
-    finally:
-        bar.close()
+    ex = cli.start(Config, argv, __doc__, name="clipping")
+    cfg, out = ex.cfg, ex.out
+    rows, curves = ex.sweep(
+        len(cfg.arms) * len(cfg.lrs) * len(cfg.seeds) * cfg.steps, lambda bar: run(cfg, bar)
+    )
     summary, effects = summarize(cfg, rows)
     table = tables(cfg, rows, effects)
     res = {
@@ -208,16 +197,7 @@ def main(argv=None) -> dict:
         "effects": effects,
         "losses_top_lr_every_5": {a: c[:, ::5] for a, c in curves.items()},
     }
-    common.write_results(
-        out,
-        config=cfg,
-        results=res,
-        table=table,
-        title="Clipping against loss bursts",
-        summary=summary,
-        command=args.command,
-        wall_s=time.perf_counter() - t0,
-    )
+    ex.write(res, table=table, title="Clipping against loss bursts", summary=summary)
     plots.curves(
         {f"lr {max(cfg.lrs):g}, {a}": {"loss": c} for a, c in curves.items()},
         path=out / "loss.png",

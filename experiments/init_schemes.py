@@ -28,7 +28,6 @@ from __future__ import annotations
 import dataclasses
 import pathlib
 import sys
-import time
 
 if __package__ in (None, ""):
     sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
@@ -81,12 +80,7 @@ def run(cfg: Config, bar) -> tuple[list[dict], dict]:
         rows.append(
             {
                 "scheme": sc,
-                "lr": sp["learning_rate"],
-                "seed": sp["seed"],
-                "init_loss": float(r.init_loss[i]),
-                "final_loss": common.finite_or_nan(r.final_loss[i]),
-                "failed": stats.failed(r.final_loss[i], r.init_loss[i]),
-                "bursts": stats.burst_count(m["loss"][i]),
+                **r.outcome(i),
                 "check_ok": bool(rep.ok),
                 "check_flags": [f.name for f in rep.flags],
                 "growth_init": float(rep.growth_exponent),
@@ -189,16 +183,11 @@ def tables(cfg: Config, rows: list[dict], effects: dict) -> str:
 
 
 def main(argv=None) -> dict:
-    cfg, args = cli.parse_config(Config, argv, __doc__.splitlines()[0], name="init_schemes")
-    cli.init_distributed(args)
-    t0 = time.perf_counter()
-    out = pathlib.Path(args.out)
-    total = len(cfg.schemes) * len(cfg.lrs) * len(cfg.seeds) * cfg.steps
-    bar = common.progress_bar(total, "init", disable=args.no_progress)
-    try:
-        rows, curves = run(cfg, bar)
-    finally:
-        bar.close()
+    ex = cli.start(Config, argv, __doc__, name="init_schemes")
+    cfg, out = ex.cfg, ex.out
+    rows, curves = ex.sweep(
+        len(cfg.schemes) * len(cfg.lrs) * len(cfg.seeds) * cfg.steps, lambda bar: run(cfg, bar)
+    )
     summary, effects = summarize(cfg, rows)
     table = tables(cfg, rows, effects)
     res = {
@@ -206,16 +195,7 @@ def main(argv=None) -> dict:
         "effects": effects,
         "losses": {f"{sc}@{lr:g}": c for (sc, lr), c in curves.items()},
     }
-    common.write_results(
-        out,
-        config=cfg,
-        results=res,
-        table=table,
-        title="Initialisation schemes",
-        summary=summary,
-        command=args.command,
-        wall_s=time.perf_counter() - t0,
-    )
+    ex.write(res, table=table, title="Initialisation schemes", summary=summary)
     plots.curves(
         {f"lr {lr:g}": {sc: curves[(sc, lr)] for sc in cfg.schemes} for lr in cfg.lrs},
         path=out / "init.png",

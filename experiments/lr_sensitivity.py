@@ -23,7 +23,6 @@ from __future__ import annotations
 import dataclasses
 import pathlib
 import sys
-import time
 
 if __package__ in (None, ""):
     sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
@@ -90,17 +89,12 @@ def run(cfg: Config, bar) -> tuple[list[dict], dict]:
                 specs, progress=bar.update
             )
             m = r.metrics
-            for i, sp in enumerate(r.specs):
+            for i in range(len(r.specs)):
                 rows.append(
                     {
                         "size": size_name(z),
                         "arm": arm,
-                        "lr": sp["learning_rate"],
-                        "seed": sp["seed"],
-                        "init_loss": float(r.init_loss[i]),
-                        "final_loss": common.finite_or_nan(r.final_loss[i]),
-                        "failed": stats.failed(r.final_loss[i], r.init_loss[i]),
-                        "bursts": stats.burst_count(m["loss"][i]),
+                        **r.outcome(i),
                         "max_attn_logit": float(np.nanmax(m["max_attn_logit"][i])),
                         "log10_max_attn_logit": float(np.log10(np.nanmax(m["max_attn_logit"][i]))),
                         "late_log_z": float(np.nanmean(m["log_z"][i, -late:])),
@@ -221,16 +215,12 @@ def tables(cfg: Config, rows: list[dict], effects: dict) -> str:
 
 
 def main(argv=None) -> dict:
-    cfg, args = cli.parse_config(Config, argv, __doc__.splitlines()[0], name="lr_sensitivity")
-    cli.init_distributed(args)
-    t0 = time.perf_counter()
-    out = pathlib.Path(args.out)
-    total = len(cfg.sizes()) * len(cfg.arms) * len(cfg.lrs) * len(cfg.seeds) * cfg.steps
-    bar = common.progress_bar(total, "lr_sensitivity", disable=args.no_progress)
-    try:
-        rows, curves = run(cfg, bar)
-    finally:
-        bar.close()
+    ex = cli.start(Config, argv, __doc__, name="lr_sensitivity")
+    cfg, out = ex.cfg, ex.out
+    rows, curves = ex.sweep(
+        len(cfg.sizes()) * len(cfg.arms) * len(cfg.lrs) * len(cfg.seeds) * cfg.steps,
+        lambda bar: run(cfg, bar),
+    )
     summary, effects = summarize(cfg, rows)
     table = tables(cfg, rows, effects)
     res = {
@@ -240,16 +230,7 @@ def main(argv=None) -> dict:
             f"{s}/{a}": {k: v[:, ::5] for k, v in c.items()} for (s, a), c in curves.items()
         },
     }
-    common.write_results(
-        out,
-        config=cfg,
-        results=res,
-        table=table,
-        title="LR sensitivity against model size",
-        summary=summary,
-        command=args.command,
-        wall_s=time.perf_counter() - t0,
-    )
+    ex.write(res, table=table, title="LR sensitivity against model size", summary=summary)
     sens_rows = [
         {"size_i": i, "arm": arm, "seed": sd, "sens": v}
         for i, size in enumerate(effects)

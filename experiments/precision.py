@@ -26,7 +26,6 @@ from __future__ import annotations
 import dataclasses
 import pathlib
 import sys
-import time
 
 if __package__ in (None, ""):
     sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
@@ -72,21 +71,16 @@ def run(cfg: Config, bar) -> tuple[list[dict], dict]:
         s = cfg.setup(clip=0.0, precision=arm)
         r = Trainer(s, precision=precision(arm, cfg)).run_many(specs, progress=bar.update)
         m = r.metrics
-        for i, sp in enumerate(r.specs):
+        for i in range(len(r.specs)):
             rows.append(
                 {
                     "arm": arm,
-                    "lr": sp["learning_rate"],
-                    "seed": sp["seed"],
-                    "init_loss": float(r.init_loss[i]),
-                    "final_loss": common.finite_or_nan(r.final_loss[i]),
-                    "failed": stats.failed(r.final_loss[i], r.init_loss[i]),
+                    **r.outcome(i),
                     "nonfinite_steps": int(np.sum(~np.isfinite(m["loss"][i]))),
                     "nonfinite_logit_steps": int(np.sum(~np.isfinite(m["max_abs_logit"][i]))),
                     "overflows": int(np.sum(m["overflow"][i])),
                     "final_loss_scale": float(m["loss_scale"][i, -1]),
                     "max_residual_rms": float(np.nanmax(m["max_residual_rms"][i])),
-                    "bursts": stats.burst_count(m["loss"][i]),
                 }
             )
         curves[arm] = m["loss"][r.index(learning_rate=max(cfg.lrs))]
@@ -184,16 +178,11 @@ def tables(cfg: Config, rows: list[dict], effects: dict) -> str:
 
 
 def main(argv=None) -> dict:
-    cfg, args = cli.parse_config(Config, argv, __doc__.splitlines()[0], name="precision")
-    cli.init_distributed(args)
-    t0 = time.perf_counter()
-    out = pathlib.Path(args.out)
-    total = len(cfg.arms) * len(cfg.lrs) * len(cfg.seeds) * cfg.steps
-    bar = common.progress_bar(total, "precision", disable=args.no_progress)
-    try:
-        rows, curves = run(cfg, bar)
-    finally:
-        bar.close()
+    ex = cli.start(Config, argv, __doc__, name="precision")
+    cfg, out = ex.cfg, ex.out
+    rows, curves = ex.sweep(
+        len(cfg.arms) * len(cfg.lrs) * len(cfg.seeds) * cfg.steps, lambda bar: run(cfg, bar)
+    )
     summary, effects = summarize(cfg, rows)
     table = tables(cfg, rows, effects)
     res = {
@@ -201,16 +190,7 @@ def main(argv=None) -> dict:
         "effects": effects,
         "losses_top_lr_every_5": {a: c[:, ::5] for a, c in curves.items()},
     }
-    common.write_results(
-        out,
-        config=cfg,
-        results=res,
-        table=table,
-        title="Mixed precision at high learning rates",
-        summary=summary,
-        command=args.command,
-        wall_s=time.perf_counter() - t0,
-    )
+    ex.write(res, table=table, title="Mixed precision at high learning rates", summary=summary)
     plots.curves(
         {f"lr {max(cfg.lrs):g}: training loss": curves},
         path=out / "precision.png",

@@ -336,33 +336,19 @@ def table(res: dict) -> str:
 
 
 def main(argv=None) -> dict:
-    cfg, args = cli.parse_config(Config, argv, __doc__.splitlines()[0], name="spike_recovery")
-    cli.init_distributed(args)
-    t0 = time.perf_counter()
-    out = pathlib.Path(args.out)
+    ex = cli.start(Config, argv, __doc__, name="spike_recovery")
+    cfg, out = ex.cfg, ex.out
     workdir = make_workdir(cfg, out)
-    bar = common.progress_bar(
-        len(ARMS) * len(cfg.seeds) * cfg.steps, "spike_recovery", disable=args.no_progress
-    )
     progs = Programs(cfg)
     dirs = (workdir, out / "reports")
-    try:
-        runs = [run_arm(cfg, progs, arm, sd, dirs, bar) for arm in ARMS for sd in cfg.seeds]
-    finally:
-        bar.close()
+    runs = ex.sweep(
+        len(ARMS) * len(cfg.seeds) * cfg.steps,
+        lambda bar: [run_arm(cfg, progs, arm, sd, dirs, bar) for arm in ARMS for sd in cfg.seeds],
+    )
     summary, res = summarize(cfg, runs)
     res["runs"] = runs
     text = table(res)
-    common.write_results(
-        out,
-        config=cfg,
-        results=res,
-        table=text,
-        title="Spike recovery (main job)",
-        summary=summary,
-        command=args.command,
-        wall_s=time.perf_counter() - t0,
-    )
+    ex.write(res, table=text, title="Spike recovery (main job)", summary=summary)
     panels = {}
     for arm in ARMS:
         rr = [r for r in runs if r["arm"] == arm]
@@ -384,7 +370,7 @@ def main(argv=None) -> dict:
         if "report" in r:
             print(f"stability report (both, seed {r['seed']}): {out / r['report']}")
     print(f"checkpoints and metrics.jsonl of the controller arms: {workdir}")
-    print(f"wall {time.perf_counter() - t0:.0f}s -> {out}")
+    print(f"wall {ex.elapsed():.0f}s -> {out}")
     return res
 
 

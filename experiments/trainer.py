@@ -22,7 +22,7 @@ import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 import stabljax
-from experiments import proxy
+from experiments import common, proxy, stats
 
 #: XLA options of the experiments' programs: LLVM's optimisation level 0 on CPU. On the
 #: small proxy it compiles 2-3x faster and runs as fast (the time is in XLA's kernels).
@@ -54,6 +54,19 @@ class Runs:
     @property
     def final_loss(self) -> np.ndarray:
         return self.eval_loss[:, -1]
+
+    def outcome(self, i: int) -> dict[str, Any]:
+        """Run ``i``'s row fields that every sweep reports: its learning rate and seed, the
+        held-out loss at init and at the end, whether it failed, and its loss bursts."""
+        spec, init, final = self.specs[i], self.init_loss[i], self.final_loss[i]
+        return {
+            "lr": spec["learning_rate"],
+            "seed": spec["seed"],
+            "init_loss": float(init),
+            "final_loss": common.finite_or_nan(final),
+            "failed": stats.failed(final, init),
+            "bursts": stats.burst_count(self.metrics["loss"][i]),
+        }
 
     def index(self, **match: Any) -> list[int]:
         """Indices of the runs whose spec has every ``key == value`` of ``match``."""

@@ -22,7 +22,6 @@ from __future__ import annotations
 import dataclasses
 import pathlib
 import sys
-import time
 
 if __package__ in (None, ""):
     sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
@@ -58,17 +57,12 @@ def run(cfg: Config, bar) -> dict:
         t = Trainer(cfg.setup(warmup_frac=w, clip=cfg.clip))
         r = t.run_many(specs, progress=bar.update)
         m = r.metrics
-        for i, sp in enumerate(r.specs):
+        for i in range(len(r.specs)):
             rows.append(
                 {
                     "warmup": w,
                     "warmup_steps": int(round(w * cfg.steps)),
-                    "lr": sp["learning_rate"],
-                    "seed": sp["seed"],
-                    "init_loss": float(r.init_loss[i]),
-                    "final_loss": common.finite_or_nan(r.final_loss[i]),
-                    "failed": stats.failed(r.final_loss[i], r.init_loss[i]),
-                    "bursts": stats.burst_count(m["loss"][i]),
+                    **r.outcome(i),
                     "early_max_update_norm": float(np.nanmax(m["update_norm"][i, :early])),
                     "max_attn_logit": float(np.nanmax(m["max_attn_logit"][i])),
                 }
@@ -144,16 +138,11 @@ def tables(cfg: Config, rows: list[dict], effects: dict) -> str:
 
 
 def main(argv=None) -> dict:
-    cfg, args = cli.parse_config(Config, argv, __doc__.splitlines()[0], name="warmup")
-    cli.init_distributed(args)
-    t0 = time.perf_counter()
-    out = pathlib.Path(args.out)
-    total = len(cfg.warmups) * len(cfg.lrs) * len(cfg.seeds) * cfg.steps
-    bar = common.progress_bar(total, "warmup", disable=args.no_progress)
-    try:
-        res = run(cfg, bar)
-    finally:
-        bar.close()
+    ex = cli.start(Config, argv, __doc__, name="warmup")
+    cfg, out = ex.cfg, ex.out
+    res = ex.sweep(
+        len(cfg.warmups) * len(cfg.lrs) * len(cfg.seeds) * cfg.steps, lambda bar: run(cfg, bar)
+    )
     rows, curves = res["rows"], res.pop("curves")
     summary, effects = summarize(cfg, rows)
     res["effects"] = effects
@@ -161,16 +150,7 @@ def main(argv=None) -> dict:
     res["curves_every_5"] = {
         f"{w:g}": {k: v[:, ::5] for k, v in c.items()} for w, c in curves.items()
     }
-    common.write_results(
-        out,
-        config=cfg,
-        results=res,
-        table=table,
-        title="Warmup against the early blow-up",
-        summary=summary,
-        command=args.command,
-        wall_s=time.perf_counter() - t0,
-    )
+    ex.write(res, table=table, title="Warmup against the early blow-up", summary=summary)
     plots.curves(
         {
             f"lr {max(cfg.lrs):g}, warmup {w:g}": {"loss": c[f"lr {max(cfg.lrs):g}"]}
