@@ -118,12 +118,6 @@ def run(cfg: Config, bar) -> tuple[list[dict], dict]:
     return rows, curves
 
 
-def per_seed(rows, arm, key, seeds):
-    return [
-        float(np.sum([r[key] for r in rows if (r["arm"], r["seed"]) == (arm, sd)])) for sd in seeds
-    ]
-
-
 def summarize(cfg: Config, rows: list[dict]) -> tuple[dict, dict]:
     pairs = [(a, "none") for a in cfg.arms if a != "none"]
     if "zclip" in cfg.arms and "clip_1.0" in cfg.arms:
@@ -131,12 +125,18 @@ def summarize(cfg: Config, rows: list[dict]) -> tuple[dict, dict]:
     effects, remedies = {}, {}
     for a, b in pairs:
         e = stats.paired_effect(
-            per_seed(rows, a, "bursts", cfg.seeds), per_seed(rows, b, "bursts", cfg.seeds), "bursts"
+            stats.per_seed(rows, "bursts", cfg.seeds, arm=a),
+            stats.per_seed(rows, "bursts", cfg.seeds, arm=b),
+            "bursts",
         )
         # Against no clipping the rate rises from 0; against fixed clipping ZClip's own
         # rate must be above 0 (it acted at all).
-        other = per_seed(rows, b, "clip_rate", cfg.seeds) if b == "none" else [0.0] * len(cfg.seeds)
-        mech = stats.moved(per_seed(rows, a, "clip_rate", cfg.seeds), other, direction=+1)
+        other = (
+            stats.per_seed(rows, "clip_rate", cfg.seeds, arm=b)
+            if b == "none"
+            else [0.0] * len(cfg.seeds)
+        )
+        mech = stats.moved(stats.per_seed(rows, "clip_rate", cfg.seeds, arm=a), other, direction=+1)
         name = f"{a} vs {b}"
         effects[name] = {"bursts": e, "mechanism": mech}
         remedies[name] = stats.remedy(

@@ -101,25 +101,18 @@ def run(cfg: Config, bar) -> tuple[list[dict], dict]:
     return rows, curves
 
 
-def per_seed(rows, sc, key, seeds):
-    return [
-        float(np.sum([r[key] for r in rows if (r["scheme"], r["seed"]) == (sc, sd)]))
-        for sd in seeds
-    ]
-
-
 def summarize(cfg: Config, rows: list[dict]) -> tuple[dict, dict]:
     base = cfg.schemes[0]
     effects, remedies = {}, {}
     for sc in cfg.schemes[1:]:
         e = stats.paired_effect(
-            per_seed(rows, sc, "bursts", cfg.seeds),
-            per_seed(rows, base, "bursts", cfg.seeds),
+            stats.per_seed(rows, "bursts", cfg.seeds, scheme=sc),
+            stats.per_seed(rows, "bursts", cfg.seeds, scheme=base),
             "bursts",
         )
         mech = stats.moved(
-            per_seed(rows, sc, "log_max_residual_rms", cfg.seeds),
-            per_seed(rows, base, "log_max_residual_rms", cfg.seeds),
+            stats.per_seed(rows, "log_max_residual_rms", cfg.seeds, scheme=sc),
+            stats.per_seed(rows, "log_max_residual_rms", cfg.seeds, scheme=base),
         )
         effects[sc] = {"bursts": e, "mechanism": mech}
         remedies[f"{sc} vs {base}"] = stats.remedy(

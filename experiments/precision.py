@@ -87,12 +87,6 @@ def run(cfg: Config, bar) -> tuple[list[dict], dict]:
     return rows, curves
 
 
-def per_seed(rows, arm, key, seeds):
-    return [
-        float(np.sum([r[key] for r in rows if (r["arm"], r["seed"]) == (arm, sd)])) for sd in seeds
-    ]
-
-
 FAILED = "failed runs (final loss non-finite or above init) over the LR grid"
 
 
@@ -103,18 +97,22 @@ def summarize(cfg: Config, rows: list[dict]) -> tuple[dict, dict]:
     }
     effects, remedies = {}, {}
     seeds = cfg.seeds
-    base = {k: per_seed(rows, BASE, k, seeds) for k in ("failed", "nonfinite_steps")}
+    base = {k: stats.per_seed(rows, k, seeds, arm=BASE) for k in ("failed", "nonfinite_steps")}
     for arm, (key, direction, label) in mechs.items():
         if arm not in cfg.arms or BASE not in cfg.arms:
             continue
-        failed = stats.paired_effect(per_seed(rows, arm, "failed", seeds), base["failed"], "failed")
+        failed = stats.paired_effect(
+            stats.per_seed(rows, "failed", seeds, arm=arm), base["failed"], "failed"
+        )
         nonfinite = stats.paired_effect(
-            per_seed(rows, arm, "nonfinite_steps", seeds),
+            stats.per_seed(rows, "nonfinite_steps", seeds, arm=arm),
             base["nonfinite_steps"],
             "non-finite loss steps",
         )
         mech = stats.moved(
-            per_seed(rows, arm, key, seeds), per_seed(rows, BASE, key, seeds), direction=direction
+            stats.per_seed(rows, key, seeds, arm=arm),
+            stats.per_seed(rows, key, seeds, arm=BASE),
+            direction=direction,
         )
         effects[arm] = {"failed_runs": failed, "nonfinite_steps": nonfinite, "mechanism": mech}
         remedies[f"{arm} vs {BASE}"] = stats.remedy(FAILED, failed, mech, label)

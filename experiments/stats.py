@@ -45,6 +45,23 @@ def bootstrap_ci(
     return float(lo), float(hi)
 
 
+def per_seed(rows: Sequence[dict[str, Any]], key: str, seeds: Sequence[int], **match: Any):
+    """``row[key]`` summed per seed over the rows whose fields equal ``match``, in ``seeds``
+    order: one value per seed, for :func:`paired_effect` and :func:`moved`."""
+    return [
+        float(
+            np.sum(
+                [
+                    r[key]
+                    for r in rows
+                    if r["seed"] == sd and all(r[k] == v for k, v in match.items())
+                ]
+            )
+        )
+        for sd in seeds
+    ]
+
+
 def paired_effect(remedy: Sequence[float], base: Sequence[float], metric: str) -> dict[str, Any]:
     """``remedy − base`` per seed (same seeds, same order), its mean and 95 % interval."""
     r, b = np.asarray(remedy, dtype=float), np.asarray(base, dtype=float)

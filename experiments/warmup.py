@@ -71,22 +71,22 @@ def run(cfg: Config, bar) -> dict:
     return {"rows": rows, "curves": curves}
 
 
-def per_seed(rows, key, w, seeds, agg=np.sum):
-    return [agg([r[key] for r in rows if r["warmup"] == w and r["seed"] == sd]) for sd in seeds]
-
-
 def summarize(cfg: Config, rows: list[dict]) -> tuple[dict, dict]:
     base_w = cfg.warmups[0]
-    base_b = per_seed(rows, "bursts", base_w, cfg.seeds)
-    base_u = per_seed(rows, "early_max_update_norm", base_w, cfg.seeds)
+    base_b = stats.per_seed(rows, "bursts", cfg.seeds, warmup=base_w)
+    base_u = stats.per_seed(rows, "early_max_update_norm", cfg.seeds, warmup=base_w)
     top = [r for r in rows if r["warmup"] == base_w and r["lr"] == max(cfg.lrs)]
     reproduced = any(r["failed"] for r in top) or np.mean([r["bursts"] for r in top]) >= (
         0.05 * cfg.steps
     )
     remedies, effects = {}, {}
     for w in cfg.warmups[1:]:
-        e = stats.paired_effect(per_seed(rows, "bursts", w, cfg.seeds), base_b, "bursts")
-        mech = stats.moved(per_seed(rows, "early_max_update_norm", w, cfg.seeds), base_u)
+        e = stats.paired_effect(
+            stats.per_seed(rows, "bursts", cfg.seeds, warmup=w), base_b, "bursts"
+        )
+        mech = stats.moved(
+            stats.per_seed(rows, "early_max_update_norm", cfg.seeds, warmup=w), base_u
+        )
         name = f"warmup {w:g}"
         remedies[name] = stats.remedy(
             "bursts summed over the LR grid", e, mech, "early max update norm"

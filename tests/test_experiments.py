@@ -171,6 +171,18 @@ def test_bootstrap_ci_hand_computed():
         stats.bootstrap_ci([])
 
 
+def test_per_seed_sums_the_matching_rows_in_seed_order():
+    rows = [
+        {"arm": "a", "lr": 1, "seed": 1, "bursts": 2},
+        {"arm": "a", "lr": 2, "seed": 1, "bursts": 3},
+        {"arm": "a", "lr": 1, "seed": 0, "bursts": 7},
+        {"arm": "b", "lr": 1, "seed": 0, "bursts": 100},
+    ]
+    assert stats.per_seed(rows, "bursts", [1, 0], arm="a") == [5.0, 7.0]
+    assert stats.per_seed(rows, "bursts", [0, 1], arm="a", lr=1) == [7.0, 2.0]
+    assert stats.per_seed(rows, "bursts", [0, 2], arm="b") == [100.0, 0.0]  # no rows: 0
+
+
 def test_paired_effect_and_claim_rule():
     e = stats.paired_effect([1.0, 2.0, 3.0], [2.0, 3.0, 4.5], "loss")
     assert e["per_seed"] == [-1.0, -1.0, -1.5] and e["effect_mean"] == pytest.approx(-7 / 6)
