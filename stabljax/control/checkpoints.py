@@ -161,6 +161,22 @@ class _Sweeper:
         self._threads = []
 
 
+class StepManager(ocp.CheckpointManager):
+    """An Orbax ``CheckpointManager`` that leaves JAX's preemption sync point alone.
+
+    Orbax's manager asks ``reached_preemption_sync_point(step)`` in ``should_save``,
+    ``save`` and (on the primary host, possibly in a background thread) when it finalizes
+    a save. JAX keeps one step id per process, the last one given, so those calls, with a
+    save's step, possibly late, would move it under the controller's feet. The controller
+    alone asks, once per step, with ``state.step``
+    (:meth:`stabljax.control.lifecycle.PreemptionWatch.should_stop`), and it saves on
+    preemption itself.
+    """
+
+    def reached_preemption(self, step: int) -> bool:
+        return False
+
+
 def _is_disk_full(e: BaseException) -> bool:
     while e is not None:
         if isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT):
@@ -196,7 +212,7 @@ class CheckpointStore:
         self.keep = keep
         self.state_bytes = 0
         self.log = log
-        self.manager = ocp.CheckpointManager(
+        self.manager = StepManager(
             directory,
             item_names=("state", "data", "meta"),
             options=ocp.CheckpointManagerOptions(

@@ -217,10 +217,10 @@ class RollbackController:
         self._store.state_bytes = ck.state_bytes(self._abstract)
         self._pending, _ = None, self._monitor.trim(0)
         self._store.clean_leftovers(RECORD)  # waits for saves in flight first
-        self._watch.install()
         steps = self._store.steps()
         if not steps:
             self._step = int(ck.to_host(state.step))
+            self._watch.install(self._step)
             self._data.skipped_ranges = self._ledger.ranges
             self._save(state, sync=True)
             return state, self._data
@@ -228,6 +228,7 @@ class RollbackController:
         args = (self._store, steps, self._abstract, self._data_config(), restore)
         r = recovery.resume(*args, delete_newer_than=self._delete_newer_than)
         self._step, self._ledger = self._saver.load(r.meta), r.ledger
+        self._watch.install(self._step)
         self._data.skipped_ranges = r.ledger.ranges
         recovery.seek(self._data, r.index, r.state, self._step)
         self._saver.retain()
@@ -258,7 +259,7 @@ class RollbackController:
         if self._poll:
             self._store.poll()
         due = self._step % self.save_every == 0
-        if self._watch.should_stop(agree=due):
+        if self._watch.should_stop(self._step, agree=due):
             state = self._flush_and_save(state, sync=True, off_grid=not due)
             saved = self._saver.saved_at == self._step
             self._log("preempted", self._step, signal=self._watch.signum, saved=saved)

@@ -146,15 +146,15 @@ class PreemptionWatch:
         self._previous: dict[int, Any] = {}
         self._sync = False  # JAX's preemption service decides (several processes)
         self._probed = False
-        self._calls = 0
 
-    def install(self) -> None:
-        """Installs the handlers (main thread only); the sync point on several processes."""
+    def install(self, step: int) -> None:
+        """Installs the handlers (main thread only); on several processes, asks JAX whether
+        its preemption service runs, with ``step`` (the restored ``state.step``)."""
         self.signum = None
         if jax.process_count() > 1 and not self._probed:
-            self._probed = True  # once: the protocol wants increasing step ids
+            self._probed = True
             try:
-                multihost_utils.reached_preemption_sync_point(0)
+                multihost_utils.reached_preemption_sync_point(int(step))
                 self._sync = True
             except RuntimeError:
                 self._sync = False
@@ -179,20 +179,24 @@ class PreemptionWatch:
             except (ValueError, TypeError):  # not the main thread / a C handler
                 pass
 
-    def should_stop(self, *, agree: bool) -> bool:
-        """Whether to stop now; call once per step on every process.
+    def should_stop(self, step: int, *, agree: bool) -> bool:
+        """Whether to stop at step boundary ``step``; call once per step on every process.
 
         Args:
+          step: ``state.step`` after this step (the step a save here would hold).
           agree: on several processes without the preemption service, combine the
             processes' flags now (a collective: the caller does it on save steps only).
         """
-        self._calls += 1
         if jax.process_count() == 1:
             return self.signum is not None
         if self._sync:
-            # All processes call this once per step, so the call count is the step id
-            # the protocol wants (state.step goes back on a rollback).
-            if multihost_utils.reached_preemption_sync_point(self._calls):
+            # JAX stops at (the highest step id any process last gave) + 1, and only when
+            # a process gives exactly that id, so the id must be the same on every process
+            # and must not jump. state.step is both, across restarts too; after a rollback
+            # it goes back, which only delays a notice that came before the rollback. The
+            # store's Orbax manager never calls the sync point (StepManager), so no other
+            # caller feeds it a different id.
+            if multihost_utils.reached_preemption_sync_point(int(step)):
                 self.signum = self.signum or signal.SIGTERM
                 return True
         if not agree or not self._previous:
