@@ -421,6 +421,28 @@ def test_resume_with_a_changed_state_lists_the_mismatched_leaves(tmp_path, chang
     assert not (tmp_path / "stabljax-corrupt").exists()
 
 
+def test_a_changed_optimizer_with_the_same_leaves_is_a_mismatch_and_moves_nothing(tmp_path):
+    _run(tmp_path, 20, batch_fn_factory())
+    on_disk = lambda: sorted(p.name for p in tmp_path.iterdir() if p.name.isdigit())  # noqa: E731
+    before = on_disk()
+    chained, _ = make_toy(optax.chain(optax.clip_by_global_norm(1.0), optax.sgd(0.05)))
+    assert jax.tree.leaves(chained) and len(jax.tree.leaves(chained)) == len(
+        jax.tree.leaves(STATE0)
+    )
+    with _controller(tmp_path) as ctl:
+        with pytest.raises(CheckpointMismatch) as info:
+            ctl.restore_or_init(chained, IndexedBatches(batch_fn_factory()))
+    msg = str(info.value)
+    assert "structure: .opt_state[1] is EmptyState in the checkpoint, tuple now" in msg, msg
+    assert "corrupt_checkpoint" not in _kinds(tmp_path)
+    assert not (tmp_path / "stabljax-corrupt").exists()
+    assert on_disk() == before == ["0", "10", "20"]
+    # The original optimizer resumes from the newest checkpoint, as if nothing happened.
+    with _controller(tmp_path) as ctl:
+        state, _ = ctl.restore_or_init(STATE0, IndexedBatches(batch_fn_factory()))
+    assert int(state.step) == 20
+
+
 def test_a_changed_data_config_is_refused_on_resume(tmp_path):
     fn = batch_fn_factory()
     with _controller(tmp_path) as ctl:

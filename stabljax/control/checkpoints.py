@@ -64,6 +64,7 @@ from stabljax.control.meta import from_legacy, legacy_view, written_before_renam
 from stabljax.control.meta import jsonable as jsonable
 from stabljax.control.meta import leaf_specs as leaf_specs
 from stabljax.control.meta import meta_digest as meta_digest
+from stabljax.control.meta import node_specs as node_specs
 from stabljax.control.meta import state_bytes as state_bytes
 
 TRASH = "stabljax-trash"

@@ -1,7 +1,8 @@
 """A checkpoint's meta item: fingerprints, its digest, and the checks made on resume.
 
 The meta item of every checkpoint lists each leaf of the train state (path, dtype, shape;
-``None`` leaves too) and the data config; :func:`check_compatible` compares them with what
+``None`` leaves too), each inner node (path, type: the tree structure, NamedTuple types
+and chain nesting included) and the data config; :func:`check_compatible` compares them with what
 is given on resume and raises :class:`CheckpointMismatch` naming each difference, so a
 changed model, optimizer or dtype is reported as such, never restored partially. The
 state's :func:`fingerprint` (two wrap-around uint32 sums per leaf, on device) and the
@@ -85,6 +86,48 @@ def leaf_specs(abstract: Any) -> list[list[Any]]:
     return out
 
 
+def node_specs(abstract: Any) -> list[list[str]]:
+    """``[path, type name]`` of every inner node of ``abstract`` (``None`` aside).
+
+    Two states can have the same leaves and still differ in structure: ``optax.sgd``'s
+    state and ``optax.chain(optax.clip_by_global_norm(1.0), optax.sgd(0.05))``'s hold no
+    arrays at all, yet one is a pair of ``EmptyState`` and the other a pair whose second
+    element is itself a pair. These lines tell them apart, with the NamedTuple type of
+    each state.
+    """
+    out: list[list[str]] = []
+
+    def walk(path: tuple[Any, ...], x: Any) -> None:
+        if x is None:
+            return
+        children, _ = jax.tree_util.tree_flatten_with_path(x, is_leaf=lambda y: y is not x)
+        if len(children) == 1 and children[0][0] == ():
+            return  # a leaf: leaf_specs lists it
+        out.append([jax.tree_util.keystr(path), type(x).__name__])
+        for p, c in children:
+            walk(path + tuple(p), c)
+
+    walk((), abstract)
+    return out
+
+
+def describe_nodes(saved: Sequence[Sequence[str]], current: Sequence[Sequence[str]]) -> list[str]:
+    """Lines naming each inner node of the state added, removed or of another type."""
+    old, new = dict(map(tuple, saved)), dict(map(tuple, current))
+    lines = []
+    for p, t in new.items():
+        if p not in old:
+            lines.append(f"structure: {p or 'the state'} ({t}) is not in the checkpoint")
+        elif old[p] != t:
+            lines.append(f"structure: {p or 'the state'} is {old[p]} in the checkpoint, {t} now")
+    lines += [
+        f"structure: {p or 'the state'} ({t}) of the checkpoint is gone from the state"
+        for p, t in old.items()
+        if p not in new
+    ]
+    return lines
+
+
 def describe_mismatch(
     saved: Sequence[Sequence[Any]], current: Sequence[Sequence[Any]]
 ) -> list[str]:
@@ -159,8 +202,12 @@ def check_compatible(
 ) -> None:
     """Raises :class:`CheckpointMismatch` listing how the state or data config differs."""
     lines = []
-    if meta.get("leaves") is not None and not written_before_rename(meta, abstract):
+    renamed = written_before_rename(meta, abstract)
+    if meta.get("leaves") is not None and not renamed:
         lines = describe_mismatch(meta["leaves"], leaf_specs(abstract))
+    if meta.get("nodes") is not None:
+        now = node_specs(legacy_view(abstract) if renamed else abstract)
+        lines += describe_nodes(meta["nodes"], now)
     saved = meta.get("data_config")
     if saved is not None and saved != data_config:
         lines.append(f"data config {saved} in the checkpoint, {data_config} now")

@@ -98,7 +98,8 @@ class Saver:
         fingerprint = ck.fingerprint(state) if self.verify else None  # dispatched, read later
         meta = {"version": ck.META_VERSION, "step": step, "data_index": data.index}
         meta |= ledger.to_meta() | self.monitor.to_meta()
-        meta |= {"leaves": ck.leaf_specs(abstract), "data_config": data_config}
+        meta |= {"leaves": ck.leaf_specs(abstract), "nodes": ck.node_specs(abstract)}
+        meta |= {"data_config": data_config}
         meta = json.loads(json.dumps(meta))  # a deep copy: the loop runs on meanwhile
         item = ck.data_item(data, restore=False)
         job = functools.partial(
