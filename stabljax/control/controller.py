@@ -203,7 +203,7 @@ class RollbackController:
         Restores train state (to ``state``'s shapes, dtypes and shardings), data position,
         ledger and detector state; an unreadable checkpoint is a ``corrupt_checkpoint``
         event and goes to ``stabljax-corrupt/``; a crash mid-rollback is finished first.
-        Other leaves, dtypes, shapes or data config than the checkpoint's raise
+        Other leaves, dtypes, shapes, tree structure or data config than the checkpoint's raise
         :class:`~stabljax.control.checkpoints.CheckpointMismatch`. Returns ``(state, data)``:
         the state (``state`` itself in an empty directory) and a
         :class:`~stabljax.control.data.DataIterator` at the next batch; use it from now on.
@@ -212,6 +212,13 @@ class RollbackController:
         if self._closed:
             self._open()
         self._data = as_data_iterator(data)
+        if self.triage is not None and self.triage.narrow_skip and not self._data.can_rewind:
+            raise ValueError(
+                f"TriageConfig(narrow_skip=True) moves the data back to the restored "
+                f"checkpoint's position after a rollback, and {type(self._data).__name__} "
+                "cannot move back (a plain iterator, a filtered or packed Grain pipeline): "
+                "use IndexedBatches or a seekable Grain iterator, or narrow_skip=False"
+            )
         self._abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, state)
         self._saver.data, self._saver.abstract = self._data, self._abstract
         self._store.state_bytes = ck.state_bytes(self._abstract)
@@ -230,7 +237,7 @@ class RollbackController:
         self._step, self._ledger = self._saver.load(r.meta), r.ledger
         self._watch.install(self._step)
         self._data.skipped_ranges = r.ledger.ranges
-        recovery.seek(self._data, r.index, r.state, self._step)
+        recovery.place(self._data, r.index, r.state, self._step)
         self._saver.retain()
         details = dict(skipped_ranges=r.ledger.ranges, rollbacks=r.ledger.rollbacks)
         self._log("restore", self._step, data_index=self._data.index, **r.detail, **details)
@@ -419,9 +426,7 @@ class RollbackController:
         self._step, self._ledger, self._pending = self._saver.load(r.meta), r.ledger, None
         self._monitor.trim(r.step)
         self._data.skipped_ranges = r.ledger.ranges
-        if r.index < self._data.index:  # a narrowed skip: the batches before it come again
-            self._data.set_state({**self._data.get_state(), "index": r.index})
-        recovery.seek(self._data, r.index, r.state, self._step)
+        recovery.place(self._data, r.index, r.state, self._step)
         self._log("restore", r.step, data_index=self._data.index, reason="rollback")
         return r.state
 

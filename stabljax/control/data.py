@@ -1,8 +1,9 @@
 """Data iterators with a position, O(1) skipping and a JSON-able state.
 
-The rollback controller needs three things from the data: the index of the next batch
-(``index``), a way to move forward past bad batches (``skip``), and a state to
-checkpoint with the model. :class:`DataIterator` is that interface; its subclasses
+The rollback controller needs four things from the data: the index of the next batch
+(``index``), a way to move forward past bad batches (``skip``, ``seek``), a way back to
+a restored checkpoint's position for a narrowed skip (``rewind``, where ``can_rewind``),
+and a state to checkpoint with the model. :class:`DataIterator` is that interface; its subclasses
 adapt what people train on:
 
 * :class:`IndexedBatches` — ``batch_fn(i)`` for i = 0, 1, …; skipping is free.
@@ -121,10 +122,36 @@ class DataIterator(Iterator[Any]):
             self._index += n
 
     def seek(self, index: int) -> None:
-        """Moves forward to ``index`` (``>= self.index``)."""
+        """Moves forward to ``index`` (``>= self.index``); :meth:`rewind` goes back."""
         if index < self._index:
             raise ValueError(f"cannot move back from batch {self._index} to {index}")
         self.skip(index - self._index)
+
+    @property
+    def can_rewind(self) -> bool:
+        """Whether :meth:`rewind` can move this iterator back (a narrowed skip needs it)."""
+        return False
+
+    def rewind(self, index: int) -> None:
+        """Moves back to ``index`` (``<= self.index``), so the next batch is batch ``index``.
+
+        Raises ``ValueError`` when this kind of iterator cannot go back (``can_rewind``).
+        """
+        index = int(index)
+        if index > self._index:
+            raise ValueError(f"rewind moves back, got {index} > index {self._index}")
+        if index == self._index:
+            return
+        if not self.can_rewind or index < 0:
+            raise ValueError(
+                f"{type(self).__name__} cannot move back from batch {self._index} to {index}: "
+                "use IndexedBatches or a seekable Grain iterator"
+            )
+        self._rewind(index)
+        self._index = index
+
+    def _rewind(self, index: int) -> None:
+        raise NotImplementedError
 
     def __iter__(self) -> DataIterator:
         return self
@@ -202,6 +229,13 @@ class IndexedBatches(DataIterator):
             raise StopIteration(f"batch_fn({self._index}) raised IndexError: {e}") from e
 
     def _advance(self, n: int) -> None:
+        pass
+
+    @property
+    def can_rewind(self) -> bool:
+        return True
+
+    def _rewind(self, index: int) -> None:
         pass
 
     def _set_index(self, index: int) -> None:
@@ -319,12 +353,24 @@ class GrainDatasetIterator(DataIterator):
         for _ in range(n):
             next(self.source)
 
+    @property
+    def can_rewind(self) -> bool:
+        return self._seekable
+
+    def _rewind(self, index: int) -> None:
+        grain.experimental.set_next_index(self.source, index)
+
     def get_state(self) -> dict[str, Any]:
         return {"index": self._index, "grain": self.source.get_state()}
 
     def set_state(self, state: dict[str, Any]) -> None:
+        """Restores Grain's state, then moves Grain to ``state["index"]`` if they differ."""
         self.source.set_state(state["grain"])
-        self._index = int(state["index"])
+        index = int(state["index"])
+        if self._seekable:
+            if int(grain.experimental.get_next_index(self.source)) != index:
+                grain.experimental.set_next_index(self.source, index)
+        self._index = index
 
     def _set_index(self, index: int) -> None:
         self._index = index
@@ -426,6 +472,15 @@ class GrainLoaderIterator(DataIterator):
             st["last_seen_indices"][str(w)] += k * self._batch * workers * self._shards
         st["last_worker_index"] = (cycle + n) % workers - 1
         self.source.set_state(json.dumps(st, indent=4).encode())
+
+    @property
+    def can_rewind(self) -> bool:
+        return self._batch is not None
+
+    def _rewind(self, index: int) -> None:
+        # Floor division and a non-negative modulo make the arithmetic of _advance exact
+        # for n < 0: |n| // W whole cycles back, then the remainder forward.
+        self._advance(index - self._index)
 
     def get_state(self) -> dict[str, Any]:
         return {"index": self._index, "grain": self.source.get_state().decode()}

@@ -98,10 +98,17 @@ def give_up(
     raise TrainingDiverged(message, ledger.history)
 
 
-def seek(data: Any, index: int, state: Any, step: int) -> None:
-    """Moves ``data`` to ``index``; running out is :class:`DataExhausted` (with ``state``)."""
+def place(data: Any, index: int, state: Any, step: int) -> None:
+    """Sets the data position to ``index``, back (a narrowed skip) or forward.
+
+    The controller moves the data nowhere else after a checkpoint is read. Running out
+    is :class:`DataExhausted` (with ``state``).
+    """
     try:
-        data.seek(index)
+        if index < data.index:
+            data.rewind(index)
+        else:
+            data.seek(index)
     except StopIteration:
         err = DataExhausted(f"the data ran out moving to batch {index} at step {step}")
         err.state = state
