@@ -138,6 +138,8 @@ def _train(args) -> int:
             os.kill(os.getpid(), signal.SIGKILL)
         if args.kill_at_step and ctl.current_step == args.kill_at_step:
             os.kill(os.getpid(), signal.SIGKILL)  # the save of this step is in flight
+        if args.raise_at_step and ctl.current_step == args.raise_at_step:
+            raise RuntimeError("the loop dies, and nobody calls close()")
         if ctl.current_step >= args.steps:
             state, data = ctl.finish(state, data)
     ctl.close()
@@ -321,6 +323,7 @@ def main(argv=None) -> int:
     p.add_argument("--background", action="store_true", help="background_save, donating step")
     p.add_argument("--kill-at-save", type=int, default=0, help="SIGKILL self after N saves")
     p.add_argument("--kill-at-step", type=int, default=0, help="SIGKILL self at this step")
+    p.add_argument("--raise-at-step", type=int, default=0, help="raise (no close) at this step")
     p.add_argument("--run", action="store_true", help="train with ctl.run (preemptible)")
     p.add_argument("--signals", default="term", help="preemption signals: term,int")
     p.add_argument("--process-id", type=int, default=None)

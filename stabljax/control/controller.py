@@ -164,6 +164,7 @@ class RollbackController:
         )
         self._saver.background = self.background_save
         self._closed = False
+        lc.close_at_exit(self)
         self._poll = not self.background_save and jax.process_count() == 1
 
     @property
@@ -363,7 +364,7 @@ class RollbackController:
         if raising := [d for d in found if d.action == "raise"]:
             headline = f"Training stopped at step {step}: a detector raised."
             recovery.give_up(raising, headline, self._monitor, self._ledger, self._store, self._log)
-        triggers = [d for d in found if d.action in ("rollback", "rollback_best")]
+        triggers = [d for d in found if d.rolls_back]
         if not triggers:
             return None
         fed_end = self._data.next_index + 1 if early else self._data.index

@@ -24,11 +24,12 @@ from __future__ import annotations
 
 import bisect
 import json
-import warnings
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
 import grain
+
+from stabljax.control.host import warn as warn_user
 
 
 def merge_ranges(ranges: Iterable[Sequence[int]]) -> list[tuple[int, int]]:
@@ -275,12 +276,10 @@ class PlainIterator(DataIterator):
         self.source = iterator
         self._it = iter(iterator)
         if warn:
-            warnings.warn(
+            warn_user(
                 f"{type(iterator).__name__} is a plain iterator: skipping bad batches and "
                 "restoring the data position will consume (drain) every batch passed. Use "
-                "stabljax.control.IndexedBatches or a Grain iterator to skip in O(1).",
-                RuntimeWarning,
-                stacklevel=3,
+                "stabljax.control.IndexedBatches or a Grain iterator to skip in O(1)."
             )
 
     @property
@@ -330,11 +329,7 @@ class GrainDatasetIterator(DataIterator):
             start, self._seekable = 0, False
         super().__init__(start=start)
         if not self._seekable:
-            warnings.warn(
-                f"{iterator} cannot seek (filter/packing): skipping will drain it.",
-                RuntimeWarning,
-                stacklevel=2,
-            )
+            warn_user(f"{iterator} cannot seek (filter/packing): skipping will drain it.")
 
     @property
     def skip_is_cheap(self) -> bool:
@@ -445,11 +440,9 @@ class GrainLoaderIterator(DataIterator):
         shard = getattr(loader, "_shard_options", None)
         self._shards = int(getattr(shard, "shard_count", 1) or 1)
         if self._batch is None:
-            warnings.warn(
+            warn_user(
                 "this grain.DataLoader has operations that change the number of records "
-                "(Filter, FlatMap, several Batch): skipping will drain it.",
-                RuntimeWarning,
-                stacklevel=2,
+                "(Filter, FlatMap, several Batch): skipping will drain it."
             )
 
     @property

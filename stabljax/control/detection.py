@@ -8,11 +8,10 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Iterable, Mapping
-from typing import Any, Literal, Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
+from stabljax.control.policy import Action as Action
 from stabljax.metrics import OVERFLOW, SKIPPED, check_key
-
-Action = Literal["record", "warn", "rollback", "rollback_best", "raise"]
 
 
 @dataclasses.dataclass(frozen=True)

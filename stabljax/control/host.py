@@ -11,12 +11,29 @@ import errno
 import json
 import os
 import pathlib
+import sys
+import warnings
 from collections.abc import Callable, Mapping
 from typing import Any
 
 import jax
 import numpy as np
 from jax.experimental import multihost_utils
+
+_PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
+
+
+def warn(message: str, category: type[Warning] = RuntimeWarning) -> None:
+    """``warnings.warn`` pointing at the first frame outside stabljax: the user's line.
+
+    Call chains into stabljax have different depths (``ctl.step`` or ``ctl.run``,
+    ``restore_or_init`` or ``as_data_iterator``), so no fixed ``stacklevel`` fits;
+    Python 3.12's ``skip_file_prefixes`` would, and this counts the frames instead.
+    """
+    frame, level = sys._getframe(0), 1
+    while frame is not None and os.path.abspath(frame.f_code.co_filename).startswith(_PACKAGE):
+        frame, level = frame.f_back, level + 1
+    warnings.warn(message, category, stacklevel=level)
 
 
 def to_host(x: Any) -> np.ndarray:
@@ -99,9 +116,38 @@ def check_state(state: Any) -> None:
         )
 
 
+PROBE = ".stabljax-probe-"
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:  # EPERM: someone else's process
+        return True
+    return True
+
+
+def clean_probes(directory: pathlib.Path) -> None:
+    """Removes probe files left by processes that died between writing and removing them.
+
+    A pid that is dead here may be alive on another host sharing the directory; removing
+    its probe is harmless, since the probe's writer removes it with ``missing_ok``.
+    """
+    for path in directory.glob(f"{PROBE}*-*"):
+        try:
+            pid = int(path.name[len(PROBE) :].split("-")[0])
+        except ValueError:
+            continue
+        if pid != os.getpid() and not _alive(pid):
+            path.unlink(missing_ok=True)
+
+
 def check_directory(directory: pathlib.Path) -> None:
-    """Creates ``directory`` (and its parents) and checks that it can be written."""
-    probe = directory / f".stabljax-probe-{os.getpid()}-{jax.process_index()}"
+    """Creates ``directory`` (and its parents), checks that it can be written, and
+    removes stale probe files."""
+    probe = directory / f"{PROBE}{os.getpid()}-{jax.process_index()}"
     try:
         if directory.exists() and not directory.is_dir():
             raise NotADirectoryError(errno.ENOTDIR, "a file is in the way", str(directory))
@@ -110,7 +156,8 @@ def check_directory(directory: pathlib.Path) -> None:
         if not mode & 0o222:  # root writes anywhere; respect the operator's intent anyway
             raise PermissionError(errno.EACCES, f"read-only (mode {oct(mode & 0o777)})")
         probe.write_text("ok")
-        probe.unlink()
+        probe.unlink(missing_ok=True)
+        clean_probes(directory)
     except OSError as e:
         raise OSError(
             e.errno,

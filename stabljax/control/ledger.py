@@ -23,7 +23,7 @@ HISTORY = 10  # rollbacks kept in the ledger for the give-up message
 ADVICE = (
     "What to try: lower the learning rate or lengthen the warmup; add a z-loss on the "
     "softmax normaliser (z_loss_weight=1e-4) if log Z drifts; raise Adam's eps or use "
-    "safe_adamw / adam_atan2 if the update ratio saturates; check the initialization "
+    "safe_adamw / adamw_atan2 if the update ratio saturates; check the initialization "
     "(a smaller init std, scaled residual branches); inspect the skipped batches for bad "
     "data; raise max_rollbacks or extra_skip if the bad data stretch is long."
 )

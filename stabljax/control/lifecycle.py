@@ -25,7 +25,7 @@ import signal
 import socket
 import sys
 import threading
-import warnings
+import weakref
 from collections.abc import Iterable, Mapping
 from typing import Any
 
@@ -33,6 +33,7 @@ import jax
 import numpy as np
 from jax.experimental import multihost_utils
 
+from stabljax.control.host import warn as warn
 from stabljax.control.writers import host_metrics
 
 
@@ -119,7 +120,7 @@ class DirectoryLock:
             return
 
     def release(self) -> None:
-        fd, self._fd = self._fd, None
+        fd, self._fd = getattr(self, "_fd", None), None
         if fd is not None:
             try:
                 fcntl.flock(fd, fcntl.LOCK_UN)
@@ -131,7 +132,44 @@ class DirectoryLock:
         return self._fd is not None
 
     def __del__(self):  # a controller dropped without close() frees its directory
-        self.release()
+        try:
+            self.release()
+        except Exception:  # noqa: BLE001 - at interpreter exit os/fcntl may be gone already
+            pass
+
+
+_OPEN: weakref.WeakSet = weakref.WeakSet()  # controllers to close at interpreter exit
+_HOOKED = False
+
+
+def close_at_exit(controller: Any) -> None:
+    """Closes ``controller`` at interpreter exit if nothing else did.
+
+    A hand-written loop that dies of an exception never calls ``close()``, and by the
+    time ``atexit`` hooks run, ``concurrent.futures`` refuses new work, so Orbax abandons
+    the async save in flight ("cannot schedule new futures after interpreter shutdown")
+    and the restart resumes one ``save_every`` earlier. ``threading``'s exit hooks run
+    before that (last registered first), so the save in flight is finished there. Only a
+    weak reference is held.
+    """
+    global _HOOKED
+    if not _HOOKED:
+        try:
+            threading._register_atexit(_close_open)  # what concurrent.futures itself uses
+        except (AttributeError, RuntimeError):  # another Python, or already shutting down
+            import atexit
+
+            atexit.register(_close_open)
+        _HOOKED = True
+    _OPEN.add(controller)
+
+
+def _close_open() -> None:
+    for controller in list(_OPEN):
+        try:
+            controller.close(quiet=True)
+        except BaseException:  # noqa: BLE001 - nothing may be raised at exit
+            pass
 
 
 class PreemptionWatch:
@@ -318,7 +356,3 @@ class Progress:
     def close(self) -> None:
         if self._enabled and self._bar is not None:
             self._bar.close()
-
-
-def warn(message: str) -> None:
-    warnings.warn(message, RuntimeWarning, stacklevel=4)
