@@ -29,7 +29,7 @@ from typing import Any
 
 import grain
 
-from stabljax.control.host import warn as warn_user
+from stabljax.control.errors import warn as warn_user
 
 
 def merge_ranges(ranges: Iterable[Sequence[int]]) -> list[tuple[int, int]]:

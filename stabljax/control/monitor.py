@@ -16,10 +16,10 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from stabljax.control import policy
-from stabljax.control.detect import Detection, Detector
-from stabljax.control.host import host_scalars
-from stabljax.control.ledger import losses_before
-from stabljax.control.lifecycle import warn
+from stabljax.control.controller import warn
+from stabljax.control.detectors import Detection, Detector
+from stabljax.control.rollback import losses_before
+from stabljax.control.store import host_scalars
 from stabljax.metrics import LOSS, SKIPPED
 
 EMA_DECAY = 0.98
