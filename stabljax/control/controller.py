@@ -381,7 +381,7 @@ class RollbackController:
       rollback_margin: the target is at least this many steps before the onset (less than
         ``save_every * keep``, else ``ValueError``).
       extra_skip: batches skipped beyond the last one fed before the rollback.
-      detectors: default :func:`~stabljax.control.detect.default_detectors`. Action
+      detectors: default :func:`~stabljax.control.detectors.default_detectors`. Action
         ``"raise"`` raises :class:`TrainingDiverged`; an unknown action is a ``ValueError``.
       max_rollbacks: rollbacks allowed; the next one raises :class:`TrainingDiverged`.
       async_save: Orbax writes in the background (the host copy is made in :meth:`step`).
@@ -399,7 +399,7 @@ class RollbackController:
 
     Attributes:
       directory, events (the :class:`~stabljax.control.events.EventLog`), detectors, and
-      last_run (the :class:`~stabljax.control.lifecycle.RunResult` of :meth:`run`).
+      last_run (the :class:`~stabljax.control.controller.RunResult` of :meth:`run`).
 
     Example:
       >>> import tempfile
@@ -525,7 +525,7 @@ class RollbackController:
         ledger and detector state; an unreadable checkpoint is a ``corrupt_checkpoint``
         event and goes to ``stabljax-corrupt/``; a crash mid-rollback is finished first.
         Other leaves, dtypes, shapes, tree structure or data config than the checkpoint's raise
-        :class:`~stabljax.control.checkpoints.CheckpointMismatch`. Returns ``(state, data)``:
+        :class:`~stabljax.control.errors.CheckpointMismatch`. Returns ``(state, data)``:
         the state (``state`` itself in an empty directory) and a
         :class:`~stabljax.control.data.DataIterator` at the next batch; use it from now on.
         """
@@ -552,13 +552,11 @@ class RollbackController:
             self._data.skipped_ranges = self._ledger.ranges
             self._save(state, sync=True)
             return state, self._data
-        restore = functools.partial(self._restore, data=True)
-        args = (self._store, steps, self._abstract, self._data_config(), restore)
-        r = rb.resume(*args, delete_newer_than=self._delete_newer_than)
+        r = rb.resume(self._store, self._saver, self._data_config())
         self._step, self._ledger = self._saver.load(r.meta), r.ledger
         self._watch.install(self._step)
         self._data.skipped_ranges = r.ledger.ranges
-        rb.place(self._data, r.index, r.state, self._step)
+        rb.place(self._data, r.index, r.state, self._step, saved=r.saved)
         self._saver.retain()
         details = dict(skipped_ranges=r.ledger.ranges, rollbacks=r.ledger.rollbacks)
         self._log("restore", self._step, data_index=self._data.index, **r.detail, **details)
@@ -619,7 +617,7 @@ class RollbackController:
         ``reached`` the target, was ``preempted`` (saved; a restart resumes exactly) or ran
         out of data (a ``data_exhausted`` event and a ``RuntimeWarning``).
         ``metrics_writer(step, metrics)`` gets every ``log_every``-th step's scalars one step
-        late (:mod:`stabljax.control.writers`), so the device never waits for them.
+        late (:mod:`stabljax.control.events`), so the device never waits for them.
         """
         if self._closed or self._step is None or self._data is None:
             state, data = self.restore_or_init(state, data)
@@ -681,14 +679,15 @@ class RollbackController:
         so its skip, and the resumed run, are the uninterrupted run's.
         """
         found = self._monitor.observe(step, metrics)
-        if raising := [d for d in found if d.action == "raise"]:
-            headline = f"Training stopped at step {step}: a detector raised."
-            rb.give_up(raising, headline, self._monitor, self._ledger, self._store, self._log)
-        triggers = [d for d in found if d.rolls_back]
-        if not triggers:
+        verdict = rb.decide(found, self._ledger, step=step, max_rollbacks=self.max_rollbacks)
+        if verdict is None:
             return None
+        if verdict.action == "give_up":
+            rb.give_up(
+                verdict.detections, verdict.headline, self._monitor, self._ledger, self._store
+            )
         fed_end = self._data.next_index + 1 if early else self._data.index
-        return self._rollback(triggers, fed_end)
+        return self._rollback(verdict.detections, fed_end)
 
     def _flush_and_save(self, state: Any, *, sync: bool = False, off_grid: bool = False) -> Any:
         """Reads the pending metrics, then saves unless they rolled back.
@@ -710,38 +709,20 @@ class RollbackController:
         return ck.jsonable(self.data_config or getattr(self._data, "config", None))
 
     def _save(self, state: Any, *, sync: bool = False, resume_only: bool = False) -> None:
-        kw = dict(sync=sync, resume_only=resume_only, write=self._write)
+        kw = dict(sync=sync, resume_only=resume_only)
         self._saver.maybe_save(self._step, state, self._ledger, self._data_config(), **kw)
 
-    def _write(self, *args: Any, **kwargs: Any) -> None:
-        self._store.write(*args, kept=self._saver.kept, **kwargs)
-
-    def _restore(self, step: int, *, data: bool) -> tuple[Any, dict[str, Any]]:
-        return self._store.restore_into(
-            step, self._abstract, self._data, with_data=data, verify=self.verify
-        )
-
-    def _delete_newer_than(self, step: int) -> None:
-        self._store.delete_newer_than(step)
-
     def _rollback(self, triggers: Sequence[Detection], fed_end: int) -> Any:
-        r = rb.roll_back(
-            self._store,
-            triggers,
-            ledger=self._ledger,
-            monitor=self._monitor,
-            fed_end=fed_end,
+        cfg = rb.RollbackConfig(
             margin=self.rollback_margin,
             extra_skip=self.extra_skip,
             window=self.save_every * self.keep,
             max_rollbacks=self.max_rollbacks,
-            restore=functools.partial(self._restore, data=False),
-            retain=self._saver.retain,
-            delete_newer_than=self._delete_newer_than,
-            log=self._log,
-            triage=None if self.triage is None else self._triage,
-            narrow=self.triage is not None and self.triage.narrow_skip,
+            triage=self.triage,
+            step_fn=self._train_step,
         )
+        parts = (self._store, self._saver, self._monitor, self._ledger, self._data, cfg)
+        r = rb.roll_back(*parts, triggers=triggers, fed_end=fed_end)
         # The checkpoint's trajectory (detectors, EMA) comes back; the run ledger moves on,
         # and the losses of the abandoned branch leave the history shown in events.
         self._step, self._ledger, self._pending = self._saver.load(r.meta), r.ledger, None
@@ -750,14 +731,3 @@ class RollbackController:
         rb.place(self._data, r.index, r.state, self._step)
         self._log("restore", r.step, data_index=self._data.index, reason="rollback")
         return r.state
-
-    def _triage(self, **where: Any) -> dict[str, Any]:
-        return tr.for_rollback(
-            self.triage,
-            step_fn=self._train_step,
-            data=self._data,
-            steps=self._store.steps(),
-            restore=functools.partial(self._restore, data=False),
-            history=list(self._monitor.recent),
-            **where,
-        )

@@ -151,7 +151,7 @@ def one_of(*choices: str):
 
 
 # ------------------------------------------------------------------------------------------- trend
-# Trend statistics for :class:`~stabljax.control.slow.SlowDivergenceDetector`.
+# Trend statistics for :class:`~SlowDivergenceDetector`.
 
 
 def mann_kendall(x: Any) -> tuple[float, float, float]:
@@ -172,7 +172,7 @@ def mann_kendall(x: Any) -> tuple[float, float, float]:
       ``(S, Var S, z)`` as floats.
 
     Example:
-      >>> from stabljax.control.detect import mann_kendall
+      >>> from stabljax.control.detectors import mann_kendall
       >>> s, var, z = mann_kendall([1.0, 2.0, 3.0, 4.0])
       >>> print(s, round(var, 4), round(z, 4))
       6.0 8.6667 1.6984
@@ -205,7 +205,7 @@ def sen_slope(x: Any) -> float:
       The slope per element, as a float.
 
     Example:
-      >>> from stabljax.control.detect import sen_slope
+      >>> from stabljax.control.detectors import sen_slope
       >>> print(sen_slope([0.0, 1.0, 2.0, 3.0, 30.0]))
       1.0
     """
@@ -295,7 +295,7 @@ def mann_kendall_hamed_rao(
       ``(S, Var* S, n/n*, z)`` as floats.
 
     Example:
-      >>> from stabljax.control.detect import mann_kendall_hamed_rao
+      >>> from stabljax.control.detectors import mann_kendall_hamed_rao
       >>> import math
       >>> x = [0.1 * t + math.sin(t / 2) for t in range(20)]  # a trend and a slow wave
       >>> s, var, ratio, z = mann_kendall_hamed_rao(x)
@@ -387,7 +387,7 @@ class SpikeDetector(WatchesMetric):
       metric: the metrics key watched.
       name: the key of this detector's state in a checkpoint.
       extra_keys: your own ``aux`` keys that ``metric`` may name
-        (:class:`~stabljax.control.detection.WatchesMetric`).
+        (:class:`~stabljax.control.detectors.WatchesMetric`).
 
     Example:
       >>> from stabljax.control import SpikeDetector
@@ -592,7 +592,7 @@ class DivergenceDetector(WatchesMetric):
       metric: the metrics key watched for non-finite values.
       name: the key of this detector's state in a checkpoint.
       extra_keys: your own ``aux`` keys that ``metric`` may name
-        (:class:`~stabljax.control.detection.WatchesMetric`).
+        (:class:`~stabljax.control.detectors.WatchesMetric`).
 
     Example:
       >>> from stabljax.control import DivergenceDetector
@@ -832,7 +832,7 @@ class SlowDivergenceDetector(WatchesMetric):
       metric: the metrics key watched.
       name: the key of this detector's state in a checkpoint.
       extra_keys: your own ``aux`` keys that ``metric`` may name
-        (:class:`~stabljax.control.detection.WatchesMetric`).
+        (:class:`~stabljax.control.detectors.WatchesMetric`).
 
     Example:
       >>> from stabljax.control import SlowDivergenceDetector

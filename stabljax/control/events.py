@@ -316,7 +316,7 @@ def host_metrics(metrics: Mapping[str, Any], prefix: str = "") -> dict[str, floa
 
     Example:
       >>> import jax.numpy as jnp
-      >>> from stabljax.control.writers import host_metrics
+      >>> from stabljax.control.events import host_metrics
       >>> host_metrics({"loss": jnp.float32(2.5), "skipped": jnp.bool_(False),
       ...               "layers": {"w": jnp.float32(1.0)}, "hist": jnp.ones(3)})
       {'loss': 2.5, 'skipped': False, 'layers/w': 1.0}
@@ -357,7 +357,7 @@ class JsonlMetricsWriter:
 
     Example:
       >>> import json, pathlib, tempfile
-      >>> from stabljax.control.writers import JsonlMetricsWriter
+      >>> from stabljax.control.events import JsonlMetricsWriter
       >>> path = pathlib.Path(tempfile.mkdtemp()) / "metrics.jsonl"
       >>> with JsonlMetricsWriter(path) as w:
       ...     w(0, {"loss": 2.0}); w(1, {"loss": float("nan")})

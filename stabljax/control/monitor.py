@@ -4,7 +4,7 @@
 detector reads), feeds them to every detector in order, and keeps what a checkpoint
 carries besides the state: the detectors' states and a bias-corrected EMA of the loss.
 It also keeps the last 64 losses for the messages of events and of
-:class:`~stabljax.control.ledger.TrainingDiverged`; a rollback trims them to the restored
+:class:`~stabljax.control.errors.TrainingDiverged`; a rollback trims them to the restored
 branch, so an event never mixes steps from an abandoned one.
 """
 

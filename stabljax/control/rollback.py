@@ -20,10 +20,11 @@ import math
 import pathlib
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from typing import TYPE_CHECKING, Any, NoReturn
+from typing import TYPE_CHECKING, Any, NamedTuple, NoReturn
 
 from stabljax.control import policy
 from stabljax.control import store as ck
+from stabljax.control import triage as tr
 from stabljax.control.data import first_allowed, merge_ranges
 from stabljax.control.detectors import Detection
 from stabljax.control.errors import DataExhausted, TrainingDiverged
@@ -173,46 +174,91 @@ class Restored:
     index: int
     step: int
     detail: dict[str, Any] = dataclasses.field(default_factory=dict)
+    saved: tuple[int, Any] | None = None  # resume: the data item read, for place()
 
 
-def resume(
-    store: ck.CheckpointStore,
-    steps: Sequence[int],
-    abstract: Any,
-    data_config: Any,
-    restore: Callable[[int], tuple[Any, dict[str, Any]]],
-    *,
-    delete_newer_than: Callable[[int], None],
-) -> Restored:
-    """Restores the newest valid checkpoint of ``steps`` (ascending) with its data."""
-    directory = store.directory
+@dataclasses.dataclass(frozen=True)
+class RollbackConfig:
+    """The controller's settings a rollback reads.
+
+    Attributes:
+      margin: the target is at least this many steps before the onset.
+      extra_skip: batches skipped beyond the last one fed.
+      window: ``save_every * keep``, the span that makes rollbacks consecutive.
+      max_rollbacks: rollbacks allowed; the next one gives up.
+      triage: a :class:`~stabljax.control.triage.TriageConfig`, or None.
+      step_fn: the train step triage replays.
+    """
+
+    margin: int
+    extra_skip: int
+    window: int
+    max_rollbacks: int
+    triage: Any = None
+    step_fn: Callable[..., Any] | None = None
+
+
+class Decision(NamedTuple):
+    """What one step's detections call for (:func:`decide`)."""
+
+    action: str  # "rollback" or "give_up"
+    detections: list[Detection]
+    headline: str = ""
+
+
+def decide(
+    found: Sequence[Detection], ledger: Ledger, *, step: int, max_rollbacks: int
+) -> Decision | None:
+    """The one place a rollback is decided, from the detections of step ``step``.
+
+    A detection whose action is ``"raise"`` gives up; otherwise detections that roll back
+    (:attr:`~stabljax.control.detectors.Detection.rolls_back`) roll back, unless
+    ``max_rollbacks`` are spent, which gives up too. None: nothing to do.
+    """
+    if raising := [d for d in found if d.action == "raise"]:
+        return Decision("give_up", raising, f"Training stopped at step {step}: a detector raised.")
+    triggers = [d for d in found if d.rolls_back]
+    if not triggers:
+        return None
+    if ledger.rollbacks >= max_rollbacks:
+        headline = (
+            f"Training diverged: {ledger.rollbacks} rollback(s) (max_rollbacks="
+            f"{max_rollbacks}) did not get past the trouble."
+        )
+        return Decision("give_up", triggers, headline)
+    return Decision("rollback", triggers)
+
+
+def resume(store: ck.CheckpointStore, saver: ck.Saver, data_config: Any) -> Restored:
+    """Restores the newest valid checkpoint with its data item (for :func:`place`)."""
+    directory, steps = store.directory, store.steps()
     record = read_record(directory)
     metas = (
         ck.try_everywhere(lambda s=s: store.read_meta(s), store.log, None) for s in steps[::-1]
     )
     newest = next(filter(None, metas), None)
     if newest is not None:
-        ck.check_compatible(newest, abstract, data_config, directory)
+        ck.check_compatible(newest, saver.abstract, data_config, directory)
     pending = record is not None and record["target_step"] in steps
     pending = pending and (newest is None or newest["rollbacks"] < record["rollbacks"])
     if pending:
-        delete_newer_than(record["target_step"])
+        store.delete_newer_than(record["target_step"])
         steps = [s for s in steps if s <= record["target_step"]]
-    found = store.first_restorable(steps[::-1], restore)
+    found = store.first_restorable(steps[::-1], lambda s: saver.restore(s, with_data=True))
     if found is None:
         raise RuntimeError(
             f"no checkpoint in {directory} could be restored (tried steps {list(steps)}; "
             "see events.jsonl). If the train state's structure changed, use a new directory."
         )
-    step, (state, meta) = found
+    step, (state, meta, saved) = found
     ledger = Ledger.from_meta(meta)
     index = int(meta["data_index"])
     if ledger.merge_record(record) and step == record["target_step"]:
         index = max(index, int(record["data_index"]))
     reason = "resume" + (" (finished an interrupted rollback)" if pending else "")
-    return Restored(
-        state, meta, ledger, first_allowed(index, ledger.ranges), step, {"reason": reason}
-    )
+    index = first_allowed(index, ledger.ranges)
+    saved_at = (int(meta["data_index"]), saved)
+    return Restored(state, meta, ledger, index, step, {"reason": reason}, saved_at)
 
 
 def give_up(
@@ -221,23 +267,29 @@ def give_up(
     monitor: Monitor,
     ledger: Ledger,
     store: ck.CheckpointStore,
-    log: Callable[..., None],
 ) -> NoReturn:
     """Logs ``diverged``, waits for saves in flight and raises :class:`TrainingDiverged`."""
     step = triggers[0].step
     reasons = [d.reason for d in triggers]
     message = diverged_message(headline, step, reasons, monitor.losses_before(step), ledger)
     store.settle()  # a save in flight commits (and is logged) before the verdict
-    log("diverged", max(d.step for d in triggers), message=message)
+    store.log("diverged", max(d.step for d in triggers), message=message)
     raise TrainingDiverged(message, ledger.history)
 
 
-def place(data: Any, index: int, state: Any, step: int) -> None:
+def place(
+    data: Any, index: int, state: Any, step: int, *, saved: tuple[int, Any] | None = None
+) -> None:
     """Sets the data position to ``index``, back (a narrowed skip) or forward.
 
-    The controller moves the data nowhere else after a checkpoint is read. Running out
-    is :class:`DataExhausted` (with ``state``).
+    The one place the data position is set after a checkpoint is read. ``saved``: the
+    checkpoint's ``(data index, data state)`` read on resume, applied first (a Grain
+    iterator, restored in place by Orbax, only takes the index). Running out is
+    :class:`DataExhausted` (with ``state``).
     """
+    if saved is not None:
+        at, data_state = saved
+        data.set_state(data_state) if data_state is not None else data._set_index(at)
     try:
         if index < data.index:
             data.rewind(index)
@@ -251,47 +303,31 @@ def place(data: Any, index: int, state: Any, step: int) -> None:
 
 def roll_back(
     store: ck.CheckpointStore,
-    triggers: Sequence[Detection],
-    *,
-    ledger: Ledger,
+    saver: ck.Saver,
     monitor: Monitor,
+    ledger: Ledger,
+    data: Any,
+    cfg: RollbackConfig,
+    *,
+    triggers: Sequence[Detection],
     fed_end: int,
-    margin: int,
-    extra_skip: int,
-    window: int,
-    max_rollbacks: int,
-    restore: Callable[[int], tuple[Any, dict[str, Any]]],
-    retain: Callable[[], None],
-    delete_newer_than: Callable[[int], None],
-    log: Callable[..., None],
-    triage: Callable[..., dict[str, Any]] | None = None,
-    narrow: bool = False,
 ) -> Restored:
     """Restores the rollback target for ``triggers`` and records the skip, crash-safely.
-
-    After ``max_rollbacks`` rollbacks it raises :class:`TrainingDiverged` instead.
 
     The onset is the earliest of the triggers' and of any episode still open in another
     detector. ``rollback_best`` detections (all of them) go to the best checkpoint.
 
+    With ``cfg.triage``, the window is replayed on copies after the restore and before
+    the rollback record (:func:`stabljax.control.triage.for_rollback`), so a crash during
+    it leaves nothing that resume reads; on a ``data`` verdict with culprits and
+    ``narrow_skip``, the skip starts at the first culprit instead of the checkpoint's
+    data position (the end is unchanged), and the data goes back to that position.
+
     Args:
       fed_end: one past the last data index fed before the rollback.
-      window: ``save_every * keep``, the span that makes rollbacks consecutive.
-      triage: ``triage(target=, state=, meta=, onset=, ranges=)`` returns the ``triage``
-        event's details (:func:`stabljax.control.triage.for_rollback`); it runs on copies
-        after the restore and before the rollback record, so a crash during it leaves
-        nothing that resume reads.
-      narrow: on a ``data`` verdict with culprits, the skip starts at the first culprit
-        instead of the checkpoint's data position (the end is unchanged).
     """
-    if ledger.rollbacks >= max_rollbacks:
-        headline = (
-            f"Training diverged: {ledger.rollbacks} rollback(s) (max_rollbacks="
-            f"{max_rollbacks}) did not get past the trouble."
-        )
-        give_up(triggers, headline, monitor, ledger, store, log)
     store.settle()
-    retain()
+    saver.retain()
     detected = max(d.step for d in triggers)
     active = [o for o in monitor.active_onsets() if o is not None]
     onset = min([d.onset for d in triggers] + active)
@@ -299,8 +335,12 @@ def roll_back(
     best = store.best(store.steps()) if to_best else None
     losses = monitor.losses_before(detected)
     order, margin_met = policy.restore_order(
-        store.steps(), onset=onset, margin=margin, best=best, exclude=store.resume_only
+        store.steps(), onset=onset, margin=cfg.margin, best=best, exclude=store.resume_only
     )
+
+    def restore(step: int) -> tuple[Any, dict[str, Any]]:
+        return saver.restore(step)[:2]
+
     found = store.first_restorable(order, restore)
     if found is None:
         raise RuntimeError(
@@ -309,17 +349,26 @@ def roll_back(
         )
     target, (state, meta) = found
     report = None
-    if triage is not None:
-        args = dict(target=target, state=state, meta=meta, onset=onset, ranges=ledger.ranges)
-        report = triage(**args)
+    if cfg.triage is not None:
+        where = dict(target=target, state=state, meta=meta, onset=onset, ranges=ledger.ranges)
+        report = tr.for_rollback(
+            cfg.triage,
+            step_fn=cfg.step_fn,
+            data=data,
+            steps=store.steps(),
+            restore=restore,
+            history=list(monitor.recent),
+            **where,
+        )
     skip = policy.skip_range(
         start=int(meta["data_index"]),
         fed_end=fed_end,
-        extra_skip=extra_skip,
+        extra_skip=cfg.extra_skip,
         detected=detected,
         last_rollback=ledger.last_rollback,
-        window=window,
+        window=cfg.window,
     )
+    narrow = cfg.triage is not None and cfg.triage.narrow_skip
     narrowed = narrow and report is not None and report["verdict"] == "data"
     narrowed = narrowed and bool(report["culprits"]) and min(report["culprits"]) > skip.start
     if narrowed:
@@ -343,8 +392,8 @@ def roll_back(
         record = new.record(target_step=target, data_index=resume_at, time=time.time())
         ck.atomic_write_json(store.directory / RECORD, record)
     ck.barrier(f"rollback_record_{new.rollbacks}")
-    delete_newer_than(target)  # only now: a crash before this is finished on restart
-    log(
+    store.delete_newer_than(target)  # only now: a crash before this is finished on restart
+    store.log(
         "rollback",
         detected,
         onset=onset,
@@ -354,7 +403,7 @@ def roll_back(
         losses=losses,
         rollbacks=new.rollbacks,
     )
-    log("skip", detected, range=entry["range"], length=skip.length, doubled=skip.doubled)
+    store.log("skip", detected, range=entry["range"], length=skip.length, doubled=skip.doubled)
     if report is not None:
-        log("triage", detected, narrowed=narrowed, **report)
+        store.log("triage", detected, narrowed=narrowed, **report)
     return Restored(state, meta, new, resume_at, target)

@@ -479,7 +479,7 @@ class StepManager(ocp.CheckpointManager):
     a save. JAX keeps one step id per process, the last one given, so those calls, with a
     save's step, possibly late, would move it under the controller's feet. The controller
     alone asks, once per step, with ``state.step``
-    (:meth:`stabljax.control.lifecycle.PreemptionWatch.should_stop`), and it saves on
+    (:meth:`stabljax.control.controller.PreemptionWatch.should_stop`), and it saves on
     preemption itself.
     """
 
@@ -692,20 +692,6 @@ class CheckpointStore:
                 raise ValueError(f"checkpoint {step}: state fingerprint mismatch (corrupted data)")
         return state, meta, out.get("data") if data_item is not None else None
 
-    def restore_into(
-        self, step: int, abstract: Any, data: Any, *, with_data: bool, verify: bool
-    ) -> tuple[Any, dict[str, Any]]:
-        """Restores checkpoint ``step``; with ``with_data`` also moves ``data`` to its position."""
-        item = data_item(data, restore=True) if with_data else None
-        state, meta, data_state = self.restore(step, abstract, item, verify=verify)
-        if with_data and _grain_source(data) is not None:
-            data._set_index(int(meta["data_index"]))
-        elif with_data:
-            if int(data_state["index"]) != int(meta["data_index"]):
-                raise ValueError(f"checkpoint {step}: data position disagrees with meta")
-            data.set_state(dict(data_state))
-        return state, meta
-
     def first_restorable(
         self, order: Sequence[int], restore: Callable[[int], Any]
     ) -> tuple[int, Any] | None:
@@ -834,6 +820,22 @@ class Saver:
     def retain(self) -> None:
         self.store.retain(self.kept())
 
+    def restore(self, step: int, *, with_data: bool = False) -> tuple[Any, dict[str, Any], Any]:
+        """Reads and verifies checkpoint ``step`` into the run's structure.
+
+        Returns ``(state, meta, data state)``. With ``with_data`` the data item is read
+        too: Orbax restores a Grain iterator in place (the data state is then ``None``);
+        any other data's JSON state is returned for
+        :func:`~stabljax.control.rollback.place` to apply.
+        """
+        item = data_item(self.data, restore=True) if with_data else None
+        state, meta, saved = self.store.restore(step, self.abstract, item, verify=self.verify)
+        if not with_data or _grain_source(self.data) is not None:
+            return state, meta, None
+        if int(saved["index"]) != int(meta["data_index"]):
+            raise ValueError(f"checkpoint {step}: data position disagrees with meta")
+        return state, meta, dict(saved)
+
     def load(self, meta: Mapping[str, Any]) -> int:
         """Takes a checkpoint's trajectory (detectors, EMA, kept scores); returns its step."""
         self.monitor.load(meta)
@@ -849,14 +851,12 @@ class Saver:
         ledger: Ledger,
         data_config: Any,
         *,
-        write: Callable[..., None],
         sync: bool = False,
         resume_only: bool = False,
     ) -> None:
         """Saves ``state`` as checkpoint ``step`` if healthy; else defers (one event).
 
-        ``write(step, state, fingerprint, meta, data_item, score, *, wait, resume_only)``
-        does the writing (the controller's, which hands it to the store).
+        The store writes it (:meth:`CheckpointStore.write`), here or on its worker thread.
         """
         data, abstract, log = self.data, self.abstract, self.log
         if self.saved_at == step:
@@ -878,7 +878,7 @@ class Saver:
         meta = json.loads(json.dumps(meta))  # a deep copy: the loop runs on meanwhile
         item = data_item(data, restore=False)
         job = functools.partial(
-            write,
+            self.store.write,
             step,
             state,
             digest,
@@ -886,6 +886,7 @@ class Saver:
             item,
             self.monitor.smoothed_loss,
             wait=sync or background,
+            kept=self.kept,
             resume_only=resume_only and self.deferred is None,
         )
         self.store.submit(job) if background else job()
