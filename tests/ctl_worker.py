@@ -150,7 +150,13 @@ def _train(args) -> int:
     return 0
 
 
-def _multi(args) -> int:
+def _join_two_processes(args):
+    """gloo collectives, 2 processes x 2 CPU devices; ``(replicated, rows, put, local_batch)``.
+
+    ``rows`` splits a leading axis over the 4 devices, ``put(x, sharding)`` makes a global
+    array of a host value, and ``local_batch(i)`` is this process's half of batch ``i``
+    (only process 1's half of a ``--bad`` batch is poisoned).
+    """
     import jax
 
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
@@ -161,30 +167,33 @@ def _multi(args) -> int:
     )
     from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-    from stabljax.control import IndexedBatches, RollbackController
-
     assert jax.device_count() == 4 and jax.local_device_count() == 2, jax.devices()
     mesh = Mesh(np.array(jax.devices()), ("data",))
-    replicated = NamedSharding(mesh, PartitionSpec())
-    rows = NamedSharding(mesh, PartitionSpec("data"))
-    state, train_step = make_toy()
+    poisoned, me, clean = set(_ints(args.bad)), jax.process_index(), batch_fn_factory()
 
-    def put(x):
+    def put(x, sharding):
         x = np.asarray(x)
-        return jax.make_array_from_callback(x.shape, replicated, lambda idx: x[idx])
-
-    state = jax.tree.map(put, jax.device_get(state))
-    poisoned = set(_ints(args.bad))
-    clean = batch_fn_factory()
-    me = jax.process_index()
+        return jax.make_array_from_callback(x.shape, sharding, lambda idx: x[idx])
 
     def local_batch(i: int):
-        # Each process holds half of the global batch; only process 1's half is poisoned.
         b = clean(i)
         half = {k: v[me * ROWS // 2 : (me + 1) * ROWS // 2] for k, v in b.items()}
         if me == 1 and i in poisoned:
             half["y"] = half["y"] + 50.0
         return half
+
+    rows = NamedSharding(mesh, PartitionSpec("data"))
+    return NamedSharding(mesh, PartitionSpec()), rows, put, local_batch
+
+
+def _multi(args) -> int:
+    import jax
+
+    from stabljax.control import IndexedBatches, RollbackController
+
+    replicated, rows, put, local_batch = _join_two_processes(args)
+    state, train_step = make_toy()
+    state = jax.tree.map(lambda x: put(x, replicated), jax.device_get(state))
 
     def global_batch(local):
         return {k: jax.make_array_from_process_local_data(rows, v) for k, v in local.items()}
@@ -225,22 +234,12 @@ def _fsdp(args) -> int:
 
     import jax
     import optax
-
-    jax.config.update("jax_cpu_collectives_implementation", "gloo")
-    jax.distributed.initialize(
-        coordinator_address=f"127.0.0.1:{args.port}",
-        num_processes=2,
-        process_id=args.process_id,
-    )
     from jax.experimental import multihost_utils
-    from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
     from stabljax.control import IndexedBatches, Preempted, RollbackController
 
-    assert jax.device_count() == 4 and jax.local_device_count() == 2, jax.devices()
-    mesh = Mesh(np.array(jax.devices()), ("fsdp",))
-    replicated = NamedSharding(mesh, PartitionSpec())
-    rows = NamedSharding(mesh, PartitionSpec("fsdp"))
+    replicated, rows, put, local_batch = _join_two_processes(args)
+    me = jax.process_index()
     state, train_step = make_toy(optax.adam(0.05))
 
     def layout(x):  # FSDP: every leaf with a leading axis of 4 is split over the devices
@@ -248,22 +247,9 @@ def _fsdp(args) -> int:
 
     shardings = jax.tree.map(layout, state)
 
-    def put(x, sharding):
-        x = np.asarray(x)
-        return jax.make_array_from_callback(x.shape, sharding, lambda idx: x[idx])
-
     state = jax.tree.map(put, jax.device_get(state), shardings)
     assert not state.params["w"].is_fully_addressable
     step_fn = jax.jit(train_step, out_shardings=(shardings, replicated))
-    poisoned, me, clean = set(_ints(args.bad)), jax.process_index(), batch_fn_factory()
-
-    def local_batch(i: int):
-        b = clean(i)
-        half = {k: v[me * ROWS // 2 : (me + 1) * ROWS // 2] for k, v in b.items()}
-        if me == 1 and i in poisoned:
-            half["y"] = half["y"] + 50.0
-        return half
-
     ctl = RollbackController(
         args.dir, save_every=10, keep=3, rollback_margin=10, detectors=toy_detectors()
     )

@@ -31,23 +31,24 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-@pytest.mark.slow
-def test_two_processes_roll_back_together_and_end_identical(tmp_path):
+def _launch(directory, out, *args):
+    """Runs both processes of tests/ctl_worker.py to their end: ``[(returncode, stderr)]``.
+
+    Process ``i`` writes ``{out}{i}.npz`` (and its ``.json``/``.preempted.json``).
+    """
     port = _free_port()
-    env = dict(os.environ)
-    env["JAX_PLATFORMS"] = "cpu"
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
     env["XLA_FLAGS"] = "--xla_force_host_platform_device_count=2"
     procs = []
     for i in range(2):
-        cmd = [sys.executable, str(WORKER), "--dir", str(tmp_path / "ckpt")]
-        cmd += ["--out", str(tmp_path / f"p{i}.npz"), "--steps", "80", "--bad", "35"]
-        cmd += ["--process-id", str(i), "--port", str(port)]
+        cmd = [sys.executable, str(WORKER), "--dir", str(directory), "--out", f"{out}{i}.npz"]
+        cmd += [*args, "--process-id", str(i), "--port", str(port)]
         procs.append(
             subprocess.Popen(
                 cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True
             )
         )
-    errs = []
+    codes = []
     for p in procs:
         try:
             _, err = p.communicate(timeout=400)
@@ -55,9 +56,15 @@ def test_two_processes_roll_back_together_and_end_identical(tmp_path):
             for q in procs:
                 q.kill()
             raise
-        errs.append(err)
-    for p, err in zip(procs, errs, strict=True):
-        assert p.returncode == 0, err[-3000:]
+        codes.append((p.returncode, err))
+    return codes
+
+
+@pytest.mark.slow
+def test_two_processes_roll_back_together_and_end_identical(tmp_path):
+    codes = _launch(tmp_path / "ckpt", tmp_path / "p", "--steps", "80", "--bad", "35")
+    for code, err in codes:
+        assert code == 0, err[-3000:]
 
     p0, p1 = (np.load(tmp_path / f"p{i}.npz") for i in range(2))
     for k in ("w", "b", "step"):
@@ -74,32 +81,10 @@ def test_two_processes_roll_back_together_and_end_identical(tmp_path):
 
 
 def _launch_fsdp(tmp_path, name, steps, *, bad="35", **flags):
-    """Runs both processes of the FSDP worker to their end; returns the two outputs' stem."""
-    port = _free_port()
-    env = dict(os.environ, JAX_PLATFORMS="cpu")
-    env["XLA_FLAGS"] = "--xla_force_host_platform_device_count=2"
-    procs = []
-    for i in range(2):
-        cmd = [sys.executable, str(WORKER), "--fsdp", "--dir", str(tmp_path / "ckpt")]
-        cmd += ["--out", str(tmp_path / f"{name}{i}.npz"), "--steps", str(steps)]
-        cmd += ["--bad", bad, "--process-id", str(i), "--port", str(port)]
-        for k, v in flags.items():
-            cmd += [f"--{k.replace('_', '-')}", str(v)]
-        procs.append(
-            subprocess.Popen(
-                cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True
-            )
-        )
-    codes = []
-    for p in procs:
-        try:
-            _, err = p.communicate(timeout=400)
-        except subprocess.TimeoutExpired:
-            for q in procs:
-                q.kill()
-            raise
-        codes.append((p.returncode, err))
-    return codes
+    args = ["--fsdp", "--steps", str(steps), "--bad", bad]
+    for k, v in flags.items():
+        args += [f"--{k.replace('_', '-')}", str(v)]
+    return _launch(tmp_path / "ckpt", tmp_path / name, *args)
 
 
 def _preempted(tmp_path, name):
