@@ -138,6 +138,8 @@ def _train(args) -> int:
             os.kill(os.getpid(), signal.SIGKILL)
         if args.kill_at_step and ctl.current_step == args.kill_at_step:
             os.kill(os.getpid(), signal.SIGKILL)  # the save of this step is in flight
+        if args.raise_at_step and ctl.current_step == args.raise_at_step:
+            raise RuntimeError("the loop dies, and nobody calls close()")
         if ctl.current_step >= args.steps:
             state, data = ctl.finish(state, data)
     ctl.close()
@@ -148,7 +150,13 @@ def _train(args) -> int:
     return 0
 
 
-def _multi(args) -> int:
+def _join_two_processes(args):
+    """gloo collectives, 2 processes x 2 CPU devices; ``(replicated, rows, put, local_batch)``.
+
+    ``rows`` splits a leading axis over the 4 devices, ``put(x, sharding)`` makes a global
+    array of a host value, and ``local_batch(i)`` is this process's half of batch ``i``
+    (only process 1's half of a ``--bad`` batch is poisoned).
+    """
     import jax
 
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
@@ -159,30 +167,33 @@ def _multi(args) -> int:
     )
     from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-    from stabljax.control import IndexedBatches, RollbackController
-
     assert jax.device_count() == 4 and jax.local_device_count() == 2, jax.devices()
     mesh = Mesh(np.array(jax.devices()), ("data",))
-    replicated = NamedSharding(mesh, PartitionSpec())
-    rows = NamedSharding(mesh, PartitionSpec("data"))
-    state, train_step = make_toy()
+    poisoned, me, clean = set(_ints(args.bad)), jax.process_index(), batch_fn_factory()
 
-    def put(x):
+    def put(x, sharding):
         x = np.asarray(x)
-        return jax.make_array_from_callback(x.shape, replicated, lambda idx: x[idx])
-
-    state = jax.tree.map(put, jax.device_get(state))
-    poisoned = set(_ints(args.bad))
-    clean = batch_fn_factory()
-    me = jax.process_index()
+        return jax.make_array_from_callback(x.shape, sharding, lambda idx: x[idx])
 
     def local_batch(i: int):
-        # Each process holds half of the global batch; only process 1's half is poisoned.
         b = clean(i)
         half = {k: v[me * ROWS // 2 : (me + 1) * ROWS // 2] for k, v in b.items()}
         if me == 1 and i in poisoned:
             half["y"] = half["y"] + 50.0
         return half
+
+    rows = NamedSharding(mesh, PartitionSpec("data"))
+    return NamedSharding(mesh, PartitionSpec()), rows, put, local_batch
+
+
+def _multi(args) -> int:
+    import jax
+
+    from stabljax.control import IndexedBatches, RollbackController
+
+    replicated, rows, put, local_batch = _join_two_processes(args)
+    state, train_step = make_toy()
+    state = jax.tree.map(lambda x: put(x, replicated), jax.device_get(state))
 
     def global_batch(local):
         return {k: jax.make_array_from_process_local_data(rows, v) for k, v in local.items()}
@@ -210,6 +221,82 @@ def _multi(args) -> int:
     return 0
 
 
+def _fsdp(args) -> int:
+    """Two processes x 2 devices, params and Adam moments sharded over all 4 devices.
+
+    A hand-written loop, so a test can SIGKILL both processes at a step (``--kill-at-step``)
+    or have process 0 SIGTERM itself right after the save of step ``--term-at`` (once
+    ``--term-rollbacks`` rollbacks have happened), both processes then pausing so that
+    the notice arrives while neither has gone on. Writes ``OUT`` (the gathered params),
+    ``OUT.json`` (ledger) or ``OUT.preempted.json``.
+    """
+    import time
+
+    import jax
+    import optax
+    from jax.experimental import multihost_utils
+
+    from stabljax.control import IndexedBatches, Preempted, RollbackController
+
+    replicated, rows, put, local_batch = _join_two_processes(args)
+    me = jax.process_index()
+    state, train_step = make_toy(optax.adam(0.05))
+
+    def layout(x):  # FSDP: every leaf with a leading axis of 4 is split over the devices
+        return rows if np.ndim(x) and np.shape(x)[0] % 4 == 0 else replicated
+
+    shardings = jax.tree.map(layout, state)
+
+    state = jax.tree.map(put, jax.device_get(state), shardings)
+    assert not state.params["w"].is_fully_addressable
+    step_fn = jax.jit(train_step, out_shardings=(shardings, replicated))
+    ctl = RollbackController(
+        args.dir, save_every=10, keep=3, rollback_margin=10, detectors=toy_detectors()
+    )
+    state, data = ctl.restore_or_init(state, IndexedBatches(local_batch))
+    termed = False
+    try:
+        while ctl.current_step < args.steps:
+            batch = {
+                k: jax.make_array_from_process_local_data(rows, v) for k, v in next(data).items()
+            }
+            state, metrics = step_fn(state, batch)
+            state, data = ctl.step(state, metrics, data)
+            if ctl.current_step == args.kill_at_step:
+                os.kill(os.getpid(), signal.SIGKILL)
+            if (
+                not termed
+                and ctl.current_step == args.term_at
+                and ctl.rollbacks >= args.term_rollbacks
+            ):
+                termed = True
+                if me == 0:
+                    os.kill(os.getpid(), signal.SIGTERM)
+                time.sleep(3.0)  # the notice arrives while both processes wait here
+            if ctl.current_step >= args.steps:
+                state, data = ctl.finish(state, data)
+    except Preempted as e:
+        ctl.close()
+        with open(args.out + ".preempted.json", "w") as f:
+            json.dump({"step": e.step, "saved": e.saved, "rollbacks": ctl.rollbacks}, f)
+        jax.distributed.shutdown()
+        return 0
+    ctl.close()
+    params = multihost_utils.process_allgather(state.params, tiled=True)
+    np.savez(
+        args.out,
+        w=params["w"],
+        b=params["b"],
+        step=int(np.asarray(state.step.addressable_data(0))),
+    )
+    with open(args.out + ".json", "w") as f:
+        json.dump(
+            {"ranges": ctl.skipped_ranges, "index": data.index, "rollbacks": ctl.rollbacks}, f
+        )
+    jax.distributed.shutdown()
+    return 0
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("--dir", required=True)
@@ -222,11 +309,17 @@ def main(argv=None) -> int:
     p.add_argument("--background", action="store_true", help="background_save, donating step")
     p.add_argument("--kill-at-save", type=int, default=0, help="SIGKILL self after N saves")
     p.add_argument("--kill-at-step", type=int, default=0, help="SIGKILL self at this step")
+    p.add_argument("--raise-at-step", type=int, default=0, help="raise (no close) at this step")
     p.add_argument("--run", action="store_true", help="train with ctl.run (preemptible)")
     p.add_argument("--signals", default="term", help="preemption signals: term,int")
     p.add_argument("--process-id", type=int, default=None)
     p.add_argument("--port", type=int, default=0)
+    p.add_argument("--fsdp", action="store_true", help="2 processes, state sharded over 4")
+    p.add_argument("--term-at", type=int, default=-1, help="SIGTERM after this save (fsdp)")
+    p.add_argument("--term-rollbacks", type=int, default=0, help="... once this many rollbacks")
     args = p.parse_args(argv)
+    if args.fsdp:
+        return _fsdp(args)
     if args.process_id is not None:
         return _multi(args)
     return _train(args)

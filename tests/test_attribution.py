@@ -121,3 +121,16 @@ def test_attribute_gathers_every_rule_and_the_counters():
     }
     # Every hint is JSON-able text and numbers, with its remedy.
     assert all(isinstance(h["evidence"], str) and h["remedy"] for h in a["hints"])
+
+
+def test_the_optimizers_named_in_remedies_exist():
+    import re
+
+    import stabljax
+    from stabljax.control.attribution import REMEDY
+    from stabljax.control.ledger import ADVICE
+
+    names = set()
+    for text in [ADVICE, *REMEDY.values()]:
+        names |= set(re.findall(r"\b(\w*adam\w*)\b", text))
+    assert names and all(hasattr(stabljax, n) for n in names), names

@@ -248,7 +248,7 @@ def test_crash_between_rollback_record_and_delete_is_finished_on_restart(tmp_pat
     def crash(step):
         raise _Crash
 
-    ctl._delete_newer_than = crash  # dies right after the rollback record is written
+    ctl._store.delete_newer_than = crash  # dies right after the rollback record is written
     with pytest.raises(_Crash):
         ctl.run(STEP, STATE0, IndexedBatches(batch_fn_factory(BAD)), 120, progress=False)
     ctl.close()
@@ -712,20 +712,20 @@ def test_a_background_save_keeps_the_position_and_ledger_of_its_step(tmp_path):
     ctl = _controller(tmp_path, background_save=True)
     state, data = ctl.restore_or_init(STATE0, _grain_map(fn))
     gate, entered = threading.Event(), threading.Event()
-    write = ctl._write
+    write = ctl._store.write
 
     def held(*args, **kwargs):
         entered.set()
         assert gate.wait(60)
         return write(*args, **kwargs)
 
-    ctl._write = held
+    ctl._store.write = held
     while ctl.current_step < 15:  # the step-10 save waits in the worker meanwhile
         state, metrics = STEP(state, next(data))
         state, data = ctl.step(state, metrics, data)
     assert entered.wait(60)
     gate.set()
-    ctl._write = write
+    ctl._store.write = write
     assert ctl.checkpoint_steps() == [0, 10]
     ctl.close()
     got = _restore_copy(tmp_path, 10, tmp_path / "copy", _grain_map(fn))

@@ -258,6 +258,59 @@ def test_a_crash_right_after_an_async_save_never_claims_it(tmp_path, reference):
     assert restore.step in (30, 40)
 
 
+def test_a_loop_that_dies_without_close_finishes_its_save_and_resumes_there(tmp_path, reference):
+    d = tmp_path / "ckpt"
+    # Step 20 is a save, 8 MB of ballast keeps it in flight when the loop raises; nobody
+    # calls close(), so only the exit hook can finish it.
+    proc = _worker(d, tmp_path / "o.npz", "--raise-at-step", "20", "--extra", "2000000")
+    _, err = proc.communicate(timeout=300)
+    assert proc.returncode == 1 and "the loop dies" in err, err[-2000:]
+    assert "Exception ignored" not in err and "cannot schedule new futures" not in err, err
+    assert 20 in {int(p.name) for p in d.iterdir() if p.name.isdigit()}
+    ctl = _resume_here(d, reference)
+    assert next(e for e in ctl.events if e.kind == "restore").step == 20
+
+
+def test_stale_probe_files_of_dead_processes_are_removed(tmp_path):
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()  # its pid is free now
+    stale = tmp_path / f".stabljax-probe-{dead.pid}-0"
+    live = tmp_path / f".stabljax-probe-{os.getppid()}-1"  # a live process: left alone
+    stale.write_text("ok")
+    live.write_text("ok")
+    _controller(tmp_path).close()
+    assert not stale.exists() and live.exists()
+
+
+def test_nothing_is_printed_at_exit_for_a_controller_never_closed(tmp_path):
+    script = (
+        "import sys; sys.path.insert(0, sys.argv[2])\n"
+        "from ctl_worker import batch_fn_factory, make_toy\n"
+        "from stabljax.control import IndexedBatches, RollbackController\n"
+        "state, step = make_toy()\n"
+        "ctl = RollbackController(sys.argv[1], save_every=5, rollback_margin=1)\n"
+        "state, data = ctl.restore_or_init(state, IndexedBatches(batch_fn_factory()))\n"
+        "for _ in range(7):\n"
+        "    state, m = step(state, next(data))\n"
+        "    state, data = ctl.step(state, m, data)\n"
+    )
+    args = [sys.executable, "-c", script, str(tmp_path), str(WORKER.parent)]
+    proc = subprocess.run(args, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "Exception ignored" not in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
+    assert _saved_steps(tmp_path) == [0, 5]
+
+
+def test_warnings_point_at_the_callers_line(tmp_path):
+    with _controller(tmp_path) as ctl:
+        with pytest.warns(RuntimeWarning, match="plain iterator") as got:
+            ctl.restore_or_init(STATE0, iter([batch_fn_factory()(i) for i in range(3)]))
+    assert [w.filename for w in got] == [__file__]
+    with pytest.warns(RuntimeWarning, match="ran out") as got:
+        _run(tmp_path / "short", 30, lambda i: batch_fn_factory()(i) if i < 12 else [][0])
+    assert {w.filename for w in got} == {__file__}
+
+
 def test_a_failed_async_save_is_reported_naming_its_step_and_nothing_claims_it(
     tmp_path, monkeypatch
 ):
@@ -419,6 +472,28 @@ def test_resume_with_a_changed_state_lists_the_mismatched_leaves(tmp_path, chang
     assert "corrupt" not in msg.replace("not corruption", "")
     assert "corrupt_checkpoint" not in _kinds(tmp_path)
     assert not (tmp_path / "stabljax-corrupt").exists()
+
+
+def test_a_changed_optimizer_with_the_same_leaves_is_a_mismatch_and_moves_nothing(tmp_path):
+    _run(tmp_path, 20, batch_fn_factory())
+    on_disk = lambda: sorted(p.name for p in tmp_path.iterdir() if p.name.isdigit())  # noqa: E731
+    before = on_disk()
+    chained, _ = make_toy(optax.chain(optax.clip_by_global_norm(1.0), optax.sgd(0.05)))
+    assert jax.tree.leaves(chained) and len(jax.tree.leaves(chained)) == len(
+        jax.tree.leaves(STATE0)
+    )
+    with _controller(tmp_path) as ctl:
+        with pytest.raises(CheckpointMismatch) as info:
+            ctl.restore_or_init(chained, IndexedBatches(batch_fn_factory()))
+    msg = str(info.value)
+    assert "structure: .opt_state[1] is EmptyState in the checkpoint, tuple now" in msg, msg
+    assert "corrupt_checkpoint" not in _kinds(tmp_path)
+    assert not (tmp_path / "stabljax-corrupt").exists()
+    assert on_disk() == before == ["0", "10", "20"]
+    # The original optimizer resumes from the newest checkpoint, as if nothing happened.
+    with _controller(tmp_path) as ctl:
+        state, _ = ctl.restore_or_init(STATE0, IndexedBatches(batch_fn_factory()))
+    assert int(state.step) == 20
 
 
 def test_a_changed_data_config_is_refused_on_resume(tmp_path):

@@ -11,8 +11,10 @@ import pathlib
 import signal
 import subprocess
 import sys
+import warnings
 
 import chex
+import grain
 import jax
 import numpy as np
 import pytest
@@ -22,10 +24,12 @@ from stabljax.control import (
     SCHEMA_VERSION,
     EventSchemaError,
     IndexedBatches,
+    PlainIterator,
     RollbackController,
     TriageConfig,
     read_events,
 )
+from stabljax.control.data import GrainDatasetIterator
 from stabljax.control.events import Event, check_schema
 from stabljax.control.triage import is_spike, robust_spikes, window_indices
 
@@ -406,3 +410,73 @@ def test_docs_events_md_documents_every_kind():
     for kind in stabljax.control.EVENT_KINDS:
         assert f"`{kind}`" in text, kind
     assert f"`{SCHEMA_VERSION}`" in text
+
+
+# ------------------------------------------------------ narrowed skips, every data kind
+
+
+def _grain_dataset(batch_fn, n=200):
+    return iter(grain.MapDataset.range(n).map(batch_fn))
+
+
+def _grain_loader(batch_fn, n=200):
+    return iter(
+        grain.DataLoader(
+            data_source=[batch_fn(i) for i in range(n)],
+            sampler=grain.samplers.IndexSampler(n, num_epochs=1, shuffle=False),
+            worker_count=0,
+        )
+    )
+
+
+@pytest.mark.parametrize(
+    "make",
+    [lambda f: IndexedBatches(f), _grain_dataset, _grain_loader],
+    ids=["indexed", "grain-dataset", "grain-loader"],
+)
+def test_a_narrowed_skip_moves_every_seekable_kind_back_to_the_checkpoint(tmp_path, make):
+    state, step = tw.make_toy()
+    batch_fn = tw.batch_fn_factory(bad=[35])
+    triage = TriageConfig(narrow_skip=True, batch_fn=batch_fn)  # replays read by index
+    with RollbackController(tmp_path, **dict(tw.controller_kwargs(), triage=triage)) as ctl:
+        state, it = ctl.run(step, state, make(batch_fn), 60, progress=False)
+    t = _triage_event(ctl)
+    assert t["verdict"] == "data" and t["narrowed"]
+    assert ctl.skipped_ranges == [(35, 37)]
+    # Exactly a plain loop over the batches fed (30..34 again after the rollback to 30).
+    fed = list(range(35)) + list(range(37, 37 + 25))
+    assert it.index == fed[-1] + 1
+    ref, plain = tw.make_toy()
+    for i in fed:
+        ref, _ = plain(ref, batch_fn(i))
+    chex.assert_trees_all_equal(state.params, ref.params)
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda f: PlainIterator(map(f, range(200)), warn=False),
+        lambda f: iter(grain.MapDataset.range(200).to_iter_dataset().filter(lambda i: True)),
+    ],
+    ids=["plain", "grain-filtered"],
+)
+def test_a_narrowed_skip_on_data_that_cannot_go_back_is_refused_before_training(tmp_path, make):
+    state, _ = tw.make_toy()
+    kw = dict(tw.controller_kwargs(), triage=TriageConfig(narrow_skip=True))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        data = make(tw.batch_fn_factory())
+    with RollbackController(tmp_path, **kw) as ctl:
+        with pytest.raises(ValueError, match="narrow_skip=True.*cannot move back"):
+            ctl.restore_or_init(state, data)
+    assert not any(p.name.isdigit() for p in tmp_path.iterdir())  # nothing was saved
+
+
+def test_rewind_and_set_state_put_a_grain_iterator_where_they_say():
+    it = GrainDatasetIterator(iter(grain.MapDataset.range(100).batch(4)))
+    for _ in range(10):
+        next(it)
+    it.set_state({**it.get_state(), "index": 4})
+    assert it.index == 4 and next(it).tolist() == [16, 17, 18, 19]
+    it.rewind(2)
+    assert it.index == 2 and next(it).tolist() == [8, 9, 10, 11]

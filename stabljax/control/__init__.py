@@ -12,11 +12,27 @@ an index) and the event log.
 * :class:`Event`, :class:`EventLog`, :func:`read_events` — the event records and
   ``events.jsonl`` (versioned: :data:`SCHEMA_VERSION`, docs/events.md).
 * :class:`TriageConfig` — after a rollback, replay the window to classify the spike.
+
+The modules, one floor each: :mod:`~stabljax.control.errors` (exceptions, warnings),
+:mod:`~stabljax.control.data` (iterators), :mod:`~stabljax.control.detectors`,
+:mod:`~stabljax.control.policy` (pure decisions), :mod:`~stabljax.control.events` (event
+log, metrics writers), :mod:`~stabljax.control.store` (checkpoints: the one place they
+are written), :mod:`~stabljax.control.monitor`, :mod:`~stabljax.control.rollback`
+(resume, roll back, the data position), :mod:`~stabljax.control.controller`,
+:mod:`~stabljax.control.triage` and :mod:`~stabljax.control.attribution`. The modules'
+older paths (``stabljax.control.checkpoints``, ``.detect``, ``.lifecycle``...) name the
+module their code moved to.
 """
 
-from stabljax.control.checkpoints import CheckpointMismatch as CheckpointMismatch
-from stabljax.control.checkpoints import CheckpointSaveError as CheckpointSaveError
+import sys as _sys
+
+from stabljax.control import controller as _controller
+from stabljax.control import detectors as _detectors
+from stabljax.control import events as _events
+from stabljax.control import rollback as _rollback
+from stabljax.control import store as _store
 from stabljax.control.controller import RollbackController as RollbackController
+from stabljax.control.controller import RunResult as RunResult
 from stabljax.control.data import DataIterator as DataIterator
 from stabljax.control.data import GrainDatasetIterator as GrainDatasetIterator
 from stabljax.control.data import GrainLoaderIterator as GrainLoaderIterator
@@ -24,28 +40,52 @@ from stabljax.control.data import IndexedBatches as IndexedBatches
 from stabljax.control.data import PlainIterator as PlainIterator
 from stabljax.control.data import as_data_iterator as as_data_iterator
 from stabljax.control.data import merge_ranges as merge_ranges
-from stabljax.control.detect import Detection as Detection
-from stabljax.control.detect import Detector as Detector
-from stabljax.control.detect import DivergenceDetector as DivergenceDetector
-from stabljax.control.detect import SlowDivergenceDetector as SlowDivergenceDetector
-from stabljax.control.detect import SpikeDetector as SpikeDetector
-from stabljax.control.detect import default_detectors as default_detectors
-from stabljax.control.detect import mann_kendall as mann_kendall
-from stabljax.control.detect import sen_slope as sen_slope
+from stabljax.control.detectors import Detection as Detection
+from stabljax.control.detectors import Detector as Detector
+from stabljax.control.detectors import DivergenceDetector as DivergenceDetector
+from stabljax.control.detectors import SlowDivergenceDetector as SlowDivergenceDetector
+from stabljax.control.detectors import SpikeDetector as SpikeDetector
+from stabljax.control.detectors import default_detectors as default_detectors
+from stabljax.control.detectors import mann_kendall as mann_kendall
+from stabljax.control.detectors import sen_slope as sen_slope
+from stabljax.control.errors import CheckpointMismatch as CheckpointMismatch
+from stabljax.control.errors import CheckpointSaveError as CheckpointSaveError
+from stabljax.control.errors import DataExhausted as DataExhausted
+from stabljax.control.errors import Preempted as Preempted
+from stabljax.control.errors import TrainingDiverged as TrainingDiverged
 from stabljax.control.events import EVENT_KINDS as EVENT_KINDS
 from stabljax.control.events import SCHEMA_VERSION as SCHEMA_VERSION
 from stabljax.control.events import Event as Event
 from stabljax.control.events import EventKind as EventKind
 from stabljax.control.events import EventLog as EventLog
 from stabljax.control.events import EventSchemaError as EventSchemaError
+from stabljax.control.events import JsonlMetricsWriter as JsonlMetricsWriter
+from stabljax.control.events import TensorBoardMetricsWriter as TensorBoardMetricsWriter
 from stabljax.control.events import read_events as read_events
-from stabljax.control.ledger import TrainingDiverged as TrainingDiverged
-from stabljax.control.lifecycle import DataExhausted as DataExhausted
-from stabljax.control.lifecycle import Preempted as Preempted
-from stabljax.control.lifecycle import RunResult as RunResult
 from stabljax.control.triage import TriageConfig as TriageConfig
-from stabljax.control.writers import JsonlMetricsWriter as JsonlMetricsWriter
-from stabljax.control.writers import TensorBoardMetricsWriter as TensorBoardMetricsWriter
+
+# Old import paths (before control/ was regrouped) stay valid: each names the module its
+# code now lives in, so `from stabljax.control.checkpoints import CheckpointStore` and
+# monkeypatching `stabljax.control.checkpoints.X` both reach the real thing.
+_OLD_PATHS = {
+    "checkpoints": _store,
+    "detect": _detectors,
+    "detection": _detectors,
+    "divergence": _detectors,
+    "host": _store,
+    "ledger": _rollback,
+    "lifecycle": _controller,
+    "meta": _store,
+    "recovery": _rollback,
+    "saving": _store,
+    "slow": _detectors,
+    "spike": _detectors,
+    "trend": _detectors,
+    "writers": _events,
+}
+for _old, _module in _OLD_PATHS.items():
+    _sys.modules[f"{__name__}.{_old}"] = _module
+    globals()[_old] = _module
 
 __all__ = (
     "EVENT_KINDS",

@@ -16,7 +16,7 @@ baseline) and the onset step itself and returns:
   ``log_z_drift``: ``|log Z − baseline median| ≥ LOG_Z_DRIFT`` or ``|log Z| ≥ LOG_Z_HIGH``
   → z-loss.
   ``eps_dominated``: in some layer, at least ``EPS_FRACTION`` of the Adam coordinates
-  have sqrt(v̂) < eps → eps=0 / adam_atan2.
+  have sqrt(v̂) < eps → eps=0 / adamw_atan2.
   ``single_batch_outlier``: the grad norm is ``OUTLIER_RATIO`` × its baseline median and
   above it by ``OUTLIER_Z`` robust σ → skip the data.
   ``rising_trend``: the baseline grad norm's OLS line rises ``TREND_RISE`` × over the
@@ -65,7 +65,7 @@ MIN_BASELINE = 4  # trend: fewer baseline steps than this never fire
 REMEDY = {
     "attention_logit_growth": "qk-layernorm (TransformerConfig(qk_norm=True))",
     "log_z_drift": "z-loss (stabljax.lm_loss(apply_fn, z_loss_weight=1e-4))",
-    "eps_dominated": "Adam eps=0 (stabljax.safe_adamw) or adam_atan2",
+    "eps_dominated": "Adam eps=0 (stabljax.safe_adamw) or adamw_atan2",
     "single_batch_outlier": "skip the data (the rollback's skip; TriageConfig(narrow_skip=True))",
     "rising_trend": "lower the learning rate or lengthen warmup",
 }

@@ -1,11 +1,18 @@
 """The rollback controller: PaLM's remedy for loss spikes, made automatic.
 
 :class:`RollbackController` is the public face and the order of things; the parts are
-:mod:`~stabljax.control.checkpoints` (Orbax I/O), :mod:`~stabljax.control.saving` (when to
-save, what a checkpoint holds), :mod:`~stabljax.control.recovery` (resume, roll back),
-:mod:`~stabljax.control.policy` (pure decisions), :mod:`~stabljax.control.monitor`
-(detectors), :mod:`~stabljax.control.ledger` and :mod:`~stabljax.control.lifecycle` (lock,
-preemption, outcome).
+:mod:`~stabljax.control.store` (checkpoints), :mod:`~stabljax.control.rollback` (resume,
+roll back, the data position), :mod:`~stabljax.control.policy` (pure decisions) and
+:mod:`~stabljax.control.monitor` (detectors). Here too is the controller's life in an
+operator's world:
+
+* :class:`DirectoryLock`: an advisory ``fcntl.flock`` on ``stabljax.lock`` (process 0;
+  ``stabljax.lock.<i>`` for process ``i``), so a second job on the same directory is
+  refused; the kernel drops it when its holder dies.
+* :class:`PreemptionWatch`: SIGTERM (and SIGINT, if asked) asks to stop at the next step
+  boundary; on several processes JAX's preemption sync point decides, by ``state.step``.
+* :class:`RunResult` (how a run ended), :func:`drive` (the loop of ``run``) and the
+  progress bar.
 
 References:
   Chowdhery et al., `PaLM: Scaling Language Modeling with Pathways
@@ -14,26 +21,339 @@ References:
 
 from __future__ import annotations
 
+import dataclasses
+import errno
+import fcntl
 import functools
+import gc
 import os
 import pathlib
 import signal
-from collections.abc import Callable, Mapping, Sequence
+import socket
+import sys
+import threading
+import weakref
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 import jax
+import numpy as np
 import orbax.checkpoint as ocp
+from jax.experimental import multihost_utils
 
-from stabljax.control import checkpoints as ck
-from stabljax.control import lifecycle as lc
-from stabljax.control import policy, recovery
+from stabljax.control import policy
+from stabljax.control import rollback as rb
+from stabljax.control import store as ck
 from stabljax.control import triage as tr
 from stabljax.control.data import DataIterator, as_data_iterator
-from stabljax.control.detect import Detection, Detector, default_detectors
-from stabljax.control.events import Event, EventLog
-from stabljax.control.ledger import RECORD, Ledger
+from stabljax.control.detectors import Detection, Detector, default_detectors
+from stabljax.control.errors import DataExhausted, Preempted
+from stabljax.control.errors import warn as warn
+from stabljax.control.events import Event, EventLog, host_metrics
 from stabljax.control.monitor import Monitor
-from stabljax.control.saving import Saver
+from stabljax.control.rollback import RECORD, Ledger
+from stabljax.control.store import Saver
+
+# --------------------------------------------------------------------------------------- lifecycle
+# The controller's life in an operator's world: one job per directory, preemption,
+
+
+@dataclasses.dataclass(frozen=True)
+class RunResult:
+    """How :meth:`RollbackController.run` ended (``ctl.last_run``).
+
+    Attributes:
+      step: ``state.step`` at the end.
+      target: the ``num_steps`` asked for.
+      reached: ``step == target``.
+      preempted: a preemption signal stopped it (the state was saved).
+      data_exhausted: the data ran out (``StopIteration``, or ``IndexError`` from a
+        ``batch_fn``) before the target, possibly inside a rollback's skip.
+    """
+
+    step: int
+    target: int
+    reached: bool
+    preempted: bool = False
+    data_exhausted: bool = False
+
+
+class DirectoryLock:
+    """An exclusive advisory lock on ``directory/stabljax.lock[.<process>]``."""
+
+    def __init__(self, directory: pathlib.Path):
+        i = jax.process_index()
+        self.path = directory / ("stabljax.lock" if i == 0 else f"stabljax.lock.{i}")
+        self._fd: int | None = None
+
+    def acquire(self) -> None:
+        for attempt in range(2):
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except OSError as e:
+                os.close(fd)
+                if e.errno not in (errno.EAGAIN, errno.EACCES, errno.EWOULDBLOCK):
+                    raise
+                if attempt == 0:
+                    gc.collect()  # an unreachable controller of this process may hold it
+                    continue
+                try:
+                    holder = self.path.read_text().strip() or "unknown"
+                except OSError:
+                    holder = "unknown"
+                raise RuntimeError(
+                    f"checkpoint directory {str(self.path.parent)!r} is already in use by "
+                    f"another RollbackController (lock {self.path.name} held by {holder}); "
+                    "two jobs on one directory would race on saves and deletes. Stop the "
+                    "other job, close() the other controller, or use another directory."
+                ) from e
+            os.ftruncate(fd, 0)
+            os.write(fd, f"pid {os.getpid()} on {socket.gethostname()}\n".encode())
+            self._fd = fd
+            return
+
+    def release(self) -> None:
+        fd, self._fd = getattr(self, "_fd", None), None
+        if fd is not None:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_UN)
+            finally:
+                os.close(fd)
+
+    @property
+    def held(self) -> bool:
+        return self._fd is not None
+
+    def __del__(self):  # a controller dropped without close() frees its directory
+        try:
+            self.release()
+        except Exception:  # noqa: BLE001 - at interpreter exit os/fcntl may be gone already
+            pass
+
+
+_OPEN: weakref.WeakSet = weakref.WeakSet()  # controllers to close at interpreter exit
+_HOOKED = False
+
+
+def close_at_exit(controller: Any) -> None:
+    """Closes ``controller`` at interpreter exit if nothing else did.
+
+    A hand-written loop that dies of an exception never calls ``close()``, and by the
+    time ``atexit`` hooks run, ``concurrent.futures`` refuses new work, so Orbax abandons
+    the async save in flight ("cannot schedule new futures after interpreter shutdown")
+    and the restart resumes one ``save_every`` earlier. ``threading``'s exit hooks run
+    before that (last registered first), so the save in flight is finished there. Only a
+    weak reference is held.
+    """
+    global _HOOKED
+    if not _HOOKED:
+        try:
+            threading._register_atexit(_close_open)  # what concurrent.futures itself uses
+        except (AttributeError, RuntimeError):  # another Python, or already shutting down
+            import atexit
+
+            atexit.register(_close_open)
+        _HOOKED = True
+    _OPEN.add(controller)
+
+
+def _close_open() -> None:
+    for controller in list(_OPEN):
+        try:
+            controller.close(quiet=True)
+        except BaseException:  # noqa: BLE001 - nothing may be raised at exit
+            pass
+
+
+class PreemptionWatch:
+    """A stop request from a signal (one process) or JAX's preemption sync point."""
+
+    def __init__(self, signals: Iterable[int]):
+        self.signals = tuple(signal.Signals(s) for s in signals)
+        for s in self.signals:
+            if s in (signal.SIGKILL, signal.SIGSTOP):
+                raise ValueError(f"preemption_signals: {s.name} cannot be caught")
+        self.signum: int | None = None
+        self._previous: dict[int, Any] = {}
+        self._sync = False  # JAX's preemption service decides (several processes)
+        self._probed = False
+
+    def install(self, step: int) -> None:
+        """Installs the handlers (main thread only); on several processes, asks JAX whether
+        its preemption service runs, with ``step`` (the restored ``state.step``)."""
+        self.signum = None
+        if jax.process_count() > 1 and not self._probed:
+            self._probed = True
+            try:
+                multihost_utils.reached_preemption_sync_point(int(step))
+                self._sync = True
+            except RuntimeError:
+                self._sync = False
+        if self._previous or threading.current_thread() is not threading.main_thread():
+            return
+        for s in self.signals:
+            if self._sync and s == signal.SIGTERM:
+                continue  # JAX's preemption notifier owns SIGTERM
+            self._previous[s] = signal.signal(s, self._handler)
+
+    def _handler(self, signum: int, frame: Any) -> None:
+        if self.signum is not None and signum == signal.SIGINT:
+            raise KeyboardInterrupt  # a second Ctrl-C: stop now
+        self.signum = signum
+
+    def restore(self) -> None:
+        """Puts the previous handlers back."""
+        previous, self._previous = self._previous, {}
+        for s, handler in previous.items():
+            try:
+                signal.signal(s, handler)
+            except (ValueError, TypeError):  # not the main thread / a C handler
+                pass
+
+    def should_stop(self, step: int, *, agree: bool) -> bool:
+        """Whether to stop at step boundary ``step``; call once per step on every process.
+
+        Args:
+          step: ``state.step`` after this step (the step a save here would hold).
+          agree: on several processes without the preemption service, combine the
+            processes' flags now (a collective: the caller does it on save steps only).
+        """
+        if jax.process_count() == 1:
+            return self.signum is not None
+        if self._sync:
+            # JAX stops at (the highest step id any process last gave) + 1, and only when
+            # a process gives exactly that id, so the id must be the same on every process
+            # and must not jump. state.step is both, across restarts too; after a rollback
+            # it goes back, which only delays a notice that came before the rollback. The
+            # store's Orbax manager never calls the sync point (StepManager), so no other
+            # caller feeds it a different id.
+            if multihost_utils.reached_preemption_sync_point(int(step)):
+                self.signum = self.signum or signal.SIGTERM
+                return True
+        if not agree or not self._previous:
+            return False  # no handler of ours: only the sync point can ask
+        flags = multihost_utils.process_allgather(np.asarray(self.signum is not None, np.int32))
+        return bool(flags.any())
+
+
+def drive(
+    ctl: Any,
+    train_step: Any,
+    state: Any,
+    data: Any,
+    target: int,
+    bar: Progress,
+    writer: Any = None,
+    log_every: int = 1,
+):
+    """The loop of ``RollbackController.run``: ``(state, data, preempted, exhausted)``.
+
+    Feeds ``next(data)`` to ``train_step`` and ``ctl.step`` until ``ctl.current_step``
+    reaches ``target``, then ``ctl.finish`` (which may roll back, and the loop goes on).
+    The data running out (``StopIteration``, or :class:`DataExhausted` from a rollback's
+    skip) and :class:`Preempted` end it with the state as saved; anything else propagates.
+    ``writer(step, host_metrics)`` gets every ``log_every``-th step's metrics one step
+    late (after the next step is dispatched), and the last one on the way out.
+    """
+    if isinstance(log_every, bool) or int(log_every) != log_every or log_every < 1:
+        raise ValueError(f"log_every must be an int >= 1, got {log_every!r}")
+    if writer is not None and not callable(writer):
+        raise TypeError(f"metrics_writer must be a callable(step, metrics), got {writer!r}")
+    preempted = exhausted = False
+    pending: tuple[int, Any] | None = None
+
+    def write_pending() -> None:
+        nonlocal pending
+        if pending is not None and writer is not None:
+            writer(pending[0], host_metrics(pending[1]))
+        pending = None
+
+    try:
+        while ctl.current_step < target and not exhausted:
+            try:
+                batch = next(data)
+            except StopIteration:
+                exhausted = True
+                state, data = ctl.finish(state, data)
+                continue
+            step = ctl.current_step
+            state, metrics = train_step(state, batch)
+            write_pending()  # the previous step's: this one is already dispatched
+            if writer is not None and step % log_every == 0:
+                pending = (step, metrics)
+            state, data = ctl.step(state, metrics, data)
+            bar.show(ctl)
+            if ctl.current_step >= target:
+                state, data = ctl.finish(state, data)
+    except Preempted as e:
+        state, preempted = e.state, True
+    except DataExhausted as e:
+        state, exhausted = e.state, True
+    finally:
+        try:
+            write_pending()
+            if writer is not None and callable(getattr(writer, "flush", None)):
+                writer.flush()
+        finally:
+            bar.show(ctl)
+            bar.close()
+    if exhausted:
+        step = ctl.current_step
+        ctl._log("data_exhausted", step, data_index=data.index, target=target)
+        warn(f"the data ran out at step {step} (index {data.index}) of {target}")
+    return state, data, preempted, exhausted
+
+
+class Progress:
+    """tqdm when installed, else a line on stderr every 10%."""
+
+    def __init__(self, total: int, initial: int, *, enabled: bool = True):
+        self._enabled = enabled
+        if not enabled:
+            return
+        try:
+            from tqdm.auto import tqdm
+        except ImportError:  # pragma: no cover - tqdm is an optional dependency
+            tqdm = None
+        self._bar = None
+        if tqdm is not None:
+            self._bar = tqdm(total=total, initial=initial, desc="train", dynamic_ncols=True)
+        self._total, self._last = total, initial
+
+    def show(self, ctl: Any) -> None:
+        """Shows the controller's step, smoothed loss, spikes, rollbacks, skipped batches."""
+        if not self._enabled:
+            return
+        loss = ctl.smoothed_loss
+        postfix = {
+            "loss": "-" if loss is None else f"{loss:.4g}",
+            "spikes": ctl.events.count("spike"),
+            "rollbacks": ctl.rollbacks,
+            "skipped": sum(b - a for a, b in ctl.skipped_ranges),
+        }
+        self.update(ctl.current_step, postfix)
+
+    def update(self, n: int, postfix: Mapping[str, Any]) -> None:
+        if self._bar is not None:
+            if n < self._bar.n:
+                self._bar.n = n
+                self._bar.refresh()
+            else:
+                self._bar.update(n - self._bar.n)
+            self._bar.set_postfix(postfix, refresh=False)
+        elif n >= self._last + max(self._total // 10, 1) or n < self._last:
+            self._last = n
+            items = ", ".join(f"{k}={v}" for k, v in postfix.items())
+            print(f"train {n}/{self._total} {items}", file=sys.stderr, flush=True)
+
+    def close(self) -> None:
+        if self._enabled and self._bar is not None:
+            self._bar.close()
+
+
+# -------------------------------------------------------------------------------------- controller
+# The rollback controller: PaLM's remedy for loss spikes, made automatic.
 
 
 def _append(events: EventLog, kind: str, step: int, **details: Any) -> None:
@@ -61,7 +381,7 @@ class RollbackController:
       rollback_margin: the target is at least this many steps before the onset (less than
         ``save_every * keep``, else ``ValueError``).
       extra_skip: batches skipped beyond the last one fed before the rollback.
-      detectors: default :func:`~stabljax.control.detect.default_detectors`. Action
+      detectors: default :func:`~stabljax.control.detectors.default_detectors`. Action
         ``"raise"`` raises :class:`TrainingDiverged`; an unknown action is a ``ValueError``.
       max_rollbacks: rollbacks allowed; the next one raises :class:`TrainingDiverged`.
       async_save: Orbax writes in the background (the host copy is made in :meth:`step`).
@@ -79,7 +399,7 @@ class RollbackController:
 
     Attributes:
       directory, events (the :class:`~stabljax.control.events.EventLog`), detectors, and
-      last_run (the :class:`~stabljax.control.lifecycle.RunResult` of :meth:`run`).
+      last_run (the :class:`~stabljax.control.controller.RunResult` of :meth:`run`).
 
     Example:
       >>> import tempfile
@@ -135,20 +455,20 @@ class RollbackController:
         self.data_config = ck.jsonable(data_config)
         self.triage, self._train_step = tr.as_config(triage), None
         self.directory = pathlib.Path(directory).absolute()
-        self._watch = lc.PreemptionWatch(preemption_signals)
+        self._watch = PreemptionWatch(preemption_signals)
         ck.check_directory(self.directory)
         self.events = EventLog(self.directory / "events.jsonl", write=ck.is_primary())
         self._log = functools.partial(_append, self.events)  # no reference back to self
         detectors = default_detectors() if detectors is None else detectors
         self._monitor = Monitor(detectors, self._log)
         self.detectors = self._monitor.detectors
-        self._lock, self._closed = lc.DirectoryLock(self.directory), True
+        self._lock, self._closed = DirectoryLock(self.directory), True
         self._open()
         self._data: DataIterator | None = None
         self._step: int | None = None
         self._abstract = self._pending = None  # the state's structure; (step, metrics) unread
         self._ledger = Ledger()  # survives rollbacks
-        self.last_run: lc.RunResult | None = None
+        self.last_run: RunResult | None = None
 
     def _open(self) -> None:
         self._lock.acquire()
@@ -164,6 +484,7 @@ class RollbackController:
         )
         self._saver.background = self.background_save
         self._closed = False
+        close_at_exit(self)
         self._poll = not self.background_save and jax.process_count() == 1
 
     @property
@@ -203,8 +524,8 @@ class RollbackController:
         Restores train state (to ``state``'s shapes, dtypes and shardings), data position,
         ledger and detector state; an unreadable checkpoint is a ``corrupt_checkpoint``
         event and goes to ``stabljax-corrupt/``; a crash mid-rollback is finished first.
-        Other leaves, dtypes, shapes or data config than the checkpoint's raise
-        :class:`~stabljax.control.checkpoints.CheckpointMismatch`. Returns ``(state, data)``:
+        Other leaves, dtypes, shapes, tree structure or data config than the checkpoint's raise
+        :class:`~stabljax.control.errors.CheckpointMismatch`. Returns ``(state, data)``:
         the state (``state`` itself in an empty directory) and a
         :class:`~stabljax.control.data.DataIterator` at the next batch; use it from now on.
         """
@@ -212,24 +533,30 @@ class RollbackController:
         if self._closed:
             self._open()
         self._data = as_data_iterator(data)
+        if self.triage is not None and self.triage.narrow_skip and not self._data.can_rewind:
+            raise ValueError(
+                f"TriageConfig(narrow_skip=True) moves the data back to the restored "
+                f"checkpoint's position after a rollback, and {type(self._data).__name__} "
+                "cannot move back (a plain iterator, a filtered or packed Grain pipeline): "
+                "use IndexedBatches or a seekable Grain iterator, or narrow_skip=False"
+            )
         self._abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, state)
         self._saver.data, self._saver.abstract = self._data, self._abstract
         self._store.state_bytes = ck.state_bytes(self._abstract)
         self._pending, _ = None, self._monitor.trim(0)
         self._store.clean_leftovers(RECORD)  # waits for saves in flight first
-        self._watch.install()
         steps = self._store.steps()
         if not steps:
             self._step = int(ck.to_host(state.step))
+            self._watch.install(self._step)
             self._data.skipped_ranges = self._ledger.ranges
             self._save(state, sync=True)
             return state, self._data
-        restore = functools.partial(self._restore, data=True)
-        args = (self._store, steps, self._abstract, self._data_config(), restore)
-        r = recovery.resume(*args, delete_newer_than=self._delete_newer_than)
+        r = rb.resume(self._store, self._saver, self._data_config())
         self._step, self._ledger = self._saver.load(r.meta), r.ledger
+        self._watch.install(self._step)
         self._data.skipped_ranges = r.ledger.ranges
-        recovery.seek(self._data, r.index, r.state, self._step)
+        rb.place(self._data, r.index, r.state, self._step, saved=r.saved)
         self._saver.retain()
         details = dict(skipped_ranges=r.ledger.ranges, rollbacks=r.ledger.rollbacks)
         self._log("restore", self._step, data_index=self._data.index, **r.detail, **details)
@@ -258,11 +585,11 @@ class RollbackController:
         if self._poll:
             self._store.poll()
         due = self._step % self.save_every == 0
-        if self._watch.should_stop(agree=due):
+        if self._watch.should_stop(self._step, agree=due):
             state = self._flush_and_save(state, sync=True, off_grid=not due)
             saved = self._saver.saved_at == self._step
             self._log("preempted", self._step, signal=self._watch.signum, saved=saved)
-            raise lc.Preempted(self._step, self._watch.signum, saved, state)
+            raise Preempted(self._step, self._watch.signum, saved, state)
         if due or self._saver.deferred is not None:
             state = self._flush_and_save(state)
         return state, data
@@ -290,21 +617,21 @@ class RollbackController:
         ``reached`` the target, was ``preempted`` (saved; a restart resumes exactly) or ran
         out of data (a ``data_exhausted`` event and a ``RuntimeWarning``).
         ``metrics_writer(step, metrics)`` gets every ``log_every``-th step's scalars one step
-        late (:mod:`stabljax.control.writers`), so the device never waits for them.
+        late (:mod:`stabljax.control.events`), so the device never waits for them.
         """
         if self._closed or self._step is None or self._data is None:
             state, data = self.restore_or_init(state, data)
         data, target = self._resolve(data), int(num_steps)
         self._train_step = train_step  # what triage replays
-        bar = lc.Progress(target, self._step, enabled=progress)
+        bar = Progress(target, self._step, enabled=progress)
         try:
             args = (train_step, state, data, target, bar, metrics_writer, log_every)
-            state, data, preempted, exhausted = lc.drive(self, *args)
+            state, data, preempted, exhausted = drive(self, *args)
         except BaseException:
             self.close(quiet=True)
             raise
         self.close()
-        self.last_run = lc.RunResult(self._step, target, self._step == target, preempted, exhausted)
+        self.last_run = RunResult(self._step, target, self._step == target, preempted, exhausted)
         return state, data
 
     def close(self, *, quiet: bool = False) -> None:
@@ -352,14 +679,15 @@ class RollbackController:
         so its skip, and the resumed run, are the uninterrupted run's.
         """
         found = self._monitor.observe(step, metrics)
-        if raising := [d for d in found if d.action == "raise"]:
-            headline = f"Training stopped at step {step}: a detector raised."
-            recovery.give_up(raising, headline, self._monitor, self._ledger, self._store, self._log)
-        triggers = [d for d in found if d.action in ("rollback", "rollback_best")]
-        if not triggers:
+        verdict = rb.decide(found, self._ledger, step=step, max_rollbacks=self.max_rollbacks)
+        if verdict is None:
             return None
+        if verdict.action == "give_up":
+            rb.give_up(
+                verdict.detections, verdict.headline, self._monitor, self._ledger, self._store
+            )
         fed_end = self._data.next_index + 1 if early else self._data.index
-        return self._rollback(triggers, fed_end)
+        return self._rollback(verdict.detections, fed_end)
 
     def _flush_and_save(self, state: Any, *, sync: bool = False, off_grid: bool = False) -> Any:
         """Reads the pending metrics, then saves unless they rolled back.
@@ -381,56 +709,25 @@ class RollbackController:
         return ck.jsonable(self.data_config or getattr(self._data, "config", None))
 
     def _save(self, state: Any, *, sync: bool = False, resume_only: bool = False) -> None:
-        kw = dict(sync=sync, resume_only=resume_only, write=self._write)
+        kw = dict(sync=sync, resume_only=resume_only)
         self._saver.maybe_save(self._step, state, self._ledger, self._data_config(), **kw)
 
-    def _write(self, *args: Any, **kwargs: Any) -> None:
-        self._store.write(*args, kept=self._saver.kept, **kwargs)
-
-    def _restore(self, step: int, *, data: bool) -> tuple[Any, dict[str, Any]]:
-        return self._store.restore_into(
-            step, self._abstract, self._data, with_data=data, verify=self.verify
-        )
-
-    def _delete_newer_than(self, step: int) -> None:
-        self._store.delete_newer_than(step)
-
     def _rollback(self, triggers: Sequence[Detection], fed_end: int) -> Any:
-        r = recovery.roll_back(
-            self._store,
-            triggers,
-            ledger=self._ledger,
-            monitor=self._monitor,
-            fed_end=fed_end,
+        cfg = rb.RollbackConfig(
             margin=self.rollback_margin,
             extra_skip=self.extra_skip,
             window=self.save_every * self.keep,
             max_rollbacks=self.max_rollbacks,
-            restore=functools.partial(self._restore, data=False),
-            retain=self._saver.retain,
-            delete_newer_than=self._delete_newer_than,
-            log=self._log,
-            triage=None if self.triage is None else self._triage,
-            narrow=self.triage is not None and self.triage.narrow_skip,
+            triage=self.triage,
+            step_fn=self._train_step,
         )
+        parts = (self._store, self._saver, self._monitor, self._ledger, self._data, cfg)
+        r = rb.roll_back(*parts, triggers=triggers, fed_end=fed_end)
         # The checkpoint's trajectory (detectors, EMA) comes back; the run ledger moves on,
         # and the losses of the abandoned branch leave the history shown in events.
         self._step, self._ledger, self._pending = self._saver.load(r.meta), r.ledger, None
         self._monitor.trim(r.step)
         self._data.skipped_ranges = r.ledger.ranges
-        if r.index < self._data.index:  # a narrowed skip: the batches before it come again
-            self._data.set_state({**self._data.get_state(), "index": r.index})
-        recovery.seek(self._data, r.index, r.state, self._step)
+        rb.place(self._data, r.index, r.state, self._step)
         self._log("restore", r.step, data_index=self._data.index, reason="rollback")
         return r.state
-
-    def _triage(self, **where: Any) -> dict[str, Any]:
-        return tr.for_rollback(
-            self.triage,
-            step_fn=self._train_step,
-            data=self._data,
-            steps=self._store.steps(),
-            restore=functools.partial(self._restore, data=False),
-            history=list(self._monitor.recent),
-            **where,
-        )

@@ -1,8 +1,9 @@
 """Data iterators with a position, O(1) skipping and a JSON-able state.
 
-The rollback controller needs three things from the data: the index of the next batch
-(``index``), a way to move forward past bad batches (``skip``), and a state to
-checkpoint with the model. :class:`DataIterator` is that interface; its subclasses
+The rollback controller needs four things from the data: the index of the next batch
+(``index``), a way to move forward past bad batches (``skip``, ``seek``), a way back to
+a restored checkpoint's position for a narrowed skip (``rewind``, where ``can_rewind``),
+and a state to checkpoint with the model. :class:`DataIterator` is that interface; its subclasses
 adapt what people train on:
 
 * :class:`IndexedBatches` — ``batch_fn(i)`` for i = 0, 1, …; skipping is free.
@@ -23,11 +24,12 @@ from __future__ import annotations
 
 import bisect
 import json
-import warnings
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
 import grain
+
+from stabljax.control.errors import warn as warn_user
 
 
 def merge_ranges(ranges: Iterable[Sequence[int]]) -> list[tuple[int, int]]:
@@ -121,10 +123,36 @@ class DataIterator(Iterator[Any]):
             self._index += n
 
     def seek(self, index: int) -> None:
-        """Moves forward to ``index`` (``>= self.index``)."""
+        """Moves forward to ``index`` (``>= self.index``); :meth:`rewind` goes back."""
         if index < self._index:
             raise ValueError(f"cannot move back from batch {self._index} to {index}")
         self.skip(index - self._index)
+
+    @property
+    def can_rewind(self) -> bool:
+        """Whether :meth:`rewind` can move this iterator back (a narrowed skip needs it)."""
+        return False
+
+    def rewind(self, index: int) -> None:
+        """Moves back to ``index`` (``<= self.index``), so the next batch is batch ``index``.
+
+        Raises ``ValueError`` when this kind of iterator cannot go back (``can_rewind``).
+        """
+        index = int(index)
+        if index > self._index:
+            raise ValueError(f"rewind moves back, got {index} > index {self._index}")
+        if index == self._index:
+            return
+        if not self.can_rewind or index < 0:
+            raise ValueError(
+                f"{type(self).__name__} cannot move back from batch {self._index} to {index}: "
+                "use IndexedBatches or a seekable Grain iterator"
+            )
+        self._rewind(index)
+        self._index = index
+
+    def _rewind(self, index: int) -> None:
+        raise NotImplementedError
 
     def __iter__(self) -> DataIterator:
         return self
@@ -204,6 +232,13 @@ class IndexedBatches(DataIterator):
     def _advance(self, n: int) -> None:
         pass
 
+    @property
+    def can_rewind(self) -> bool:
+        return True
+
+    def _rewind(self, index: int) -> None:
+        pass
+
     def _set_index(self, index: int) -> None:
         if index < 0:
             raise ValueError(f"index must be >= 0, got {index}")
@@ -241,12 +276,10 @@ class PlainIterator(DataIterator):
         self.source = iterator
         self._it = iter(iterator)
         if warn:
-            warnings.warn(
+            warn_user(
                 f"{type(iterator).__name__} is a plain iterator: skipping bad batches and "
                 "restoring the data position will consume (drain) every batch passed. Use "
-                "stabljax.control.IndexedBatches or a Grain iterator to skip in O(1).",
-                RuntimeWarning,
-                stacklevel=3,
+                "stabljax.control.IndexedBatches or a Grain iterator to skip in O(1)."
             )
 
     @property
@@ -296,11 +329,7 @@ class GrainDatasetIterator(DataIterator):
             start, self._seekable = 0, False
         super().__init__(start=start)
         if not self._seekable:
-            warnings.warn(
-                f"{iterator} cannot seek (filter/packing): skipping will drain it.",
-                RuntimeWarning,
-                stacklevel=2,
-            )
+            warn_user(f"{iterator} cannot seek (filter/packing): skipping will drain it.")
 
     @property
     def skip_is_cheap(self) -> bool:
@@ -319,12 +348,24 @@ class GrainDatasetIterator(DataIterator):
         for _ in range(n):
             next(self.source)
 
+    @property
+    def can_rewind(self) -> bool:
+        return self._seekable
+
+    def _rewind(self, index: int) -> None:
+        grain.experimental.set_next_index(self.source, index)
+
     def get_state(self) -> dict[str, Any]:
         return {"index": self._index, "grain": self.source.get_state()}
 
     def set_state(self, state: dict[str, Any]) -> None:
+        """Restores Grain's state, then moves Grain to ``state["index"]`` if they differ."""
         self.source.set_state(state["grain"])
-        self._index = int(state["index"])
+        index = int(state["index"])
+        if self._seekable:
+            if int(grain.experimental.get_next_index(self.source)) != index:
+                grain.experimental.set_next_index(self.source, index)
+        self._index = index
 
     def _set_index(self, index: int) -> None:
         self._index = index
@@ -399,11 +440,9 @@ class GrainLoaderIterator(DataIterator):
         shard = getattr(loader, "_shard_options", None)
         self._shards = int(getattr(shard, "shard_count", 1) or 1)
         if self._batch is None:
-            warnings.warn(
+            warn_user(
                 "this grain.DataLoader has operations that change the number of records "
-                "(Filter, FlatMap, several Batch): skipping will drain it.",
-                RuntimeWarning,
-                stacklevel=2,
+                "(Filter, FlatMap, several Batch): skipping will drain it."
             )
 
     @property
@@ -426,6 +465,15 @@ class GrainLoaderIterator(DataIterator):
             st["last_seen_indices"][str(w)] += k * self._batch * workers * self._shards
         st["last_worker_index"] = (cycle + n) % workers - 1
         self.source.set_state(json.dumps(st, indent=4).encode())
+
+    @property
+    def can_rewind(self) -> bool:
+        return self._batch is not None
+
+    def _rewind(self, index: int) -> None:
+        # Floor division and a non-negative modulo make the arithmetic of _advance exact
+        # for n < 0: |n| // W whole cycles back, then the remainder forward.
+        self._advance(index - self._index)
 
     def get_state(self) -> dict[str, Any]:
         return {"index": self._index, "grain": self.source.get_state().decode()}

@@ -4,7 +4,7 @@
 detector reads), feeds them to every detector in order, and keeps what a checkpoint
 carries besides the state: the detectors' states and a bias-corrected EMA of the loss.
 It also keeps the last 64 losses for the messages of events and of
-:class:`~stabljax.control.ledger.TrainingDiverged`; a rollback trims them to the restored
+:class:`~stabljax.control.errors.TrainingDiverged`; a rollback trims them to the restored
 branch, so an event never mixes steps from an abandoned one.
 """
 
@@ -16,10 +16,10 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from stabljax.control import policy
-from stabljax.control.detect import Detection, Detector
-from stabljax.control.host import host_scalars
-from stabljax.control.ledger import losses_before
-from stabljax.control.lifecycle import warn
+from stabljax.control.controller import warn
+from stabljax.control.detectors import Detection, Detector
+from stabljax.control.rollback import losses_before
+from stabljax.control.store import host_scalars
 from stabljax.metrics import LOSS, SKIPPED
 
 EMA_DECAY = 0.98

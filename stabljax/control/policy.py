@@ -24,9 +24,10 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Iterable, Mapping, Sequence
-from typing import Any
+from typing import Any, Literal, get_args
 
-ACTIONS = ("record", "warn", "rollback", "rollback_best", "raise")
+Action = Literal["record", "warn", "rollback", "rollback_best", "raise"]
+ACTIONS: tuple[str, ...] = get_args(Action)  # what the controller knows, defined once
 
 
 def check_config(

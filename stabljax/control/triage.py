@@ -54,7 +54,7 @@ import numpy as np
 
 from stabljax import metrics as keys
 from stabljax.control import attribution
-from stabljax.control import checkpoints as ck
+from stabljax.control import store as ck
 from stabljax.control.data import first_allowed
 
 VERDICTS = ("nondeterministic", "data", "state", "inconclusive")
