@@ -800,3 +800,29 @@ def test_renamed_state_fields_keep_a_deprecated_read_alias(make, old, new):
         alias = getattr(s, old)
     assert alias is getattr(s, new)
     assert old not in s._fields  # not a pytree field: checkpoints hold only the new name
+
+
+def test_spike_rebaselines_reads_nested_guards_and_reaches_the_step_metrics():
+    inner = skip_spikes(optax.sgd(0.1), watch=("loss",), rebaseline_after=2)
+    opt = skip_nonfinite(optax.chain(optax.identity(), inner))
+    step = jit_update(opt)
+    params, g = {"w": jnp.ones((2,))}, {"w": jnp.ones((2,))}
+    state = opt.init(params)
+    assert int(stabljax.optim.guards.spike_rebaselines(state)) == 0
+    counts = []
+    for loss in _shifted_losses(2.0, n_after=4):
+        _, state = step(g, state, params, loss=loss)
+        counts.append(int(stabljax.optim.guards.spike_rebaselines(state)))
+    assert counts == [0] * 61 + [1] * 3  # the 2nd agreeing spike re-baselines
+    assert int(stabljax.optim.guards.spike_rebaselines(optax.sgd(0.1).init(params))) == 0
+
+    def loss_fn(p, batch, **_):
+        return batch + 0.0 * jnp.sum(p["w"]), {}  # the loss is the batch: the stream
+
+    train = stabljax.make_train_step(loss_fn, opt)
+    ts = stabljax.TrainState.create({"w": jnp.ones((2,))}, opt)
+    seen = []
+    for loss in _shifted_losses(2.0, n_after=4):
+        ts, m = train(ts, jnp.float32(loss))
+        seen.append(int(m["spike_rebaselines"]))
+    assert m["spike_rebaselines"].dtype == jnp.int32 and seen == counts

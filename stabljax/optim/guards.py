@@ -37,6 +37,7 @@ __all__ = [
     "skip_spikes",
     "skip_step",
     "skip_streak",
+    "spike_rebaselines",
 ]
 
 
@@ -276,3 +277,32 @@ def skip_streak(opt_state: optax.OptState) -> jax.Array:
         for v in _found(opt_state, ("nonfinite_streak", "spike_streak"))
     ]
     return functools.reduce(jnp.maximum, streaks, jnp.zeros([], jnp.int32))
+
+
+def spike_rebaselines(opt_state: optax.OptState) -> jax.Array:
+    """How many level shifts the :func:`skip_spikes` guards in a state have absorbed.
+
+    The sum of every ``spike_rebaselines`` field found anywhere in ``opt_state`` (see
+    :func:`any_skipped`): cumulative, it rises by one on the step whose run of agreeing
+    spikes re-baselined a guard (see :class:`SpikeRule`). The train step reports it as
+    ``metrics["spike_rebaselines"]``.
+
+    Args:
+      opt_state: any optimizer state.
+
+    Returns:
+      An int32 scalar ``jax.Array``; 0 when the state holds no spike guard.
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> import optax
+      >>> from stabljax.optim.guards import skip_spikes, spike_rebaselines
+      >>> opt = skip_spikes(optax.sgd(0.1), warmup_steps=3, watch=("loss",), rebaseline_after=2)
+      >>> state = opt.init(jnp.zeros(2))
+      >>> for loss in [1.0, 1.0, 1.0, 2.0, 2.0, 2.0]:
+      ...     _, state = opt.update(jnp.ones(2), state, loss=loss)
+      >>> print(int(spike_rebaselines(state)), bool(state.spike_skipped))
+      1 False
+    """
+    counts = [jnp.sum(v).astype(jnp.int32) for v in _found(opt_state, ("spike_rebaselines",))]
+    return functools.reduce(jnp.add, counts, jnp.zeros([], jnp.int32))
