@@ -17,6 +17,7 @@ BENCHES = {
     "detectors": ("slow_false_alarms", "slow_delay", "spike", "real_curves", "ratios", "targets"),
     "generic_step": ("per_step", "ratios", "targets", "n_params", "hlo_identical"),
     "triage": ("ratios", "targets", "samples"),
+    "guard_streams": ("per_stream", "ratios", "targets"),
 }
 RATIOS = {
     "optimizer_update": (
@@ -49,9 +50,21 @@ RATIOS = {
         "bytes_generic/legacy (plain-opt)",
     ),
     "triage": ("triage/plain_large", "triage/plain_small"),
+    "guard_streams": (
+        "stabljax_bad_max",
+        "stabljax_nan_seeds_max",
+        "stabljax_healthy_skipped_max",
+        "stabljax_shift_skipped_max",
+    ),
 }
 # Those that compile a whole train step several times take tens of seconds.
-SLOW = {"train_step", "controller", "generic_step", "triage"}  # generic_step: see the test below
+SLOW = {
+    "train_step",
+    "controller",
+    "generic_step",
+    "triage",
+    "guard_streams",
+}  # generic_step: see the test below
 
 
 @pytest.mark.parametrize(
