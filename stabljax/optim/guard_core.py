@@ -270,30 +270,48 @@ def _int_at_least(low: int):
     return lambda v: is_nonneg_int(v) and int(v) >= low
 
 
-def _sorted_valid(ring: jax.Array, count: jax.Array) -> jax.Array:
-    """The first ``count`` slots of each row of ``ring`` sorted, the rest +inf (after them)."""
-    valid = jnp.arange(ring.shape[-1]) < count
-    return jnp.sort(jnp.where(valid, ring, jnp.inf), axis=-1)
+def _ranked(ring: jax.Array, count: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """``(x, rank)``: each row's first ``count`` slots ranked 0.. in order (ties by slot),
+    the other slots +inf and ranked after them.
+
+    Ranks by pairwise comparison (W² scalar compares, fused into one reduction) instead of
+    ``jnp.sort``: XLA:TPU gives a sort its own temporary buffers, these stay in registers.
+    """
+    i = jnp.arange(ring.shape[-1])
+    x = jnp.where(i < count, ring, jnp.inf)
+    a, b = x[..., :, None], x[..., None, :]
+    before = (b < a) | ((b == a) & (i[None, :] < i[:, None]))
+    return x, jnp.sum(before, axis=-1, dtype=jnp.int32)
 
 
-def _median_sorted(s: jax.Array, count: jax.Array) -> jax.Array:
-    lo, hi = (count - 1) // 2, count // 2
-    return 0.5 * (s[..., lo] + s[..., hi])
+def _at_rank(x: jax.Array, rank: jax.Array, r: jax.Array) -> jax.Array:
+    return jnp.sum(jnp.where(rank == r, x, 0.0), axis=-1)
+
+
+def _median(ring: jax.Array, count: jax.Array) -> jax.Array:
+    """The median of the first ``count`` slots of each row (the mean of the middle two)."""
+    x, rank = _ranked(ring, count)
+    return 0.5 * (_at_rank(x, rank, (count - 1) // 2) + _at_rank(x, rank, count // 2))
 
 
 def _window_stats(rule: SpikeRule, state: SkipSpikesState):
     """(level, median residual, tail scale) per watched value, from the two windows."""
     n = state.spike_accepted_steps
     n_level = jnp.clip(n, 1, _level_size(rule))
-    level = _median_sorted(_sorted_valid(state.spike_levels, n_level), n_level)
+    level = _median(state.spike_levels, n_level)
     n_res = jnp.clip(n - 1, 1, rule.window)
-    res = _sorted_valid(state.spike_residuals, n_res)
-    med = _median_sorted(res, n_res)
+    res, rank = _ranked(state.spike_residuals, n_res)
+    med = 0.5 * (_at_rank(res, rank, (n_res - 1) // 2) + _at_rank(res, rank, n_res // 2))
     top = jnp.maximum(n_res // _TAIL_FRACTION, 1)
-    rank = jnp.arange(rule.window)
     in_tail = (rank >= n_res - top) & (rank < n_res)
     tail = jnp.sum(jnp.where(in_tail, res, 0.0), axis=-1) / top.astype(jnp.float32)
     return level, med, jnp.maximum(tail - med, _MIN_SCALE)
+
+
+def _put(ring: jax.Array, slot: jax.Array, value: jax.Array) -> jax.Array:
+    """``ring`` with column ``slot`` set to ``value``, by selection (no dynamic update slice,
+    which on XLA:TPU cost a temporary buffer next to the gradient-norm reduction)."""
+    return jnp.where(jnp.arange(ring.shape[-1]) == slot, value[:, None], ring)
 
 
 def _log_positive(x: jax.Array) -> tuple[jax.Array, jax.Array]:
@@ -319,8 +337,8 @@ def _spike_gather(rule, state, decision, skip: jax.Array, spike: jax.Array):
     y_in = jnp.where(ok, y, jnp.where(n > 0, level, 0.0))
     r_in = jnp.where(ok & (n > 0), y - level, 0.0)
     gather = jnp.logical_not(skip)
-    levels = state.spike_levels.at[:, n % _level_size(rule)].set(y_in)
-    residuals = state.spike_residuals.at[:, (n - 1) % rule.window].set(r_in)
+    levels = _put(state.spike_levels, n % _level_size(rule), y_in)
+    residuals = _put(state.spike_residuals, (n - 1) % rule.window, r_in)
     out = {
         "spike_accepted_steps": jnp.where(gather, optax.safe_increment(n), n),
         "spike_levels": jnp.where(gather, levels, state.spike_levels),
@@ -336,11 +354,11 @@ def _spike_gather(rule, state, decision, skip: jax.Array, spike: jax.Array):
     # Only a skip that is a spike of finite, positive values alone extends the run.
     extend = skip & spike & jnp.all(ok)
     length = state.spike_run_length
-    run = state.spike_run.at[:, length % k].set(y)
+    run = _put(state.spike_run, length % k, y)
     length = jnp.where(extend, optax.safe_increment(length), 0)
-    s = jnp.sort(run, axis=-1)
-    agree = (s[:, -1] - s[:, 0] <= rule.z_threshold * scale) & (
-        _median_sorted(s, jnp.asarray(k)) - level <= jnp.log(rule.rebaseline_max_ratio)
+    span = jnp.max(run, axis=-1) - jnp.min(run, axis=-1)
+    agree = (span <= rule.z_threshold * scale) & (
+        _median(run, jnp.asarray(k)) - level <= jnp.log(rule.rebaseline_max_ratio)
     )
     rebase = (length >= k) & jnp.all(agree)
     tiled = run[:, jnp.arange(_level_size(rule)) % k]
