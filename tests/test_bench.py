@@ -118,3 +118,18 @@ def test_generic_step_compiles_to_the_legacy_lm_program(tmp_path):
     assert results["hlo_identical"] == {"guarded": True, "plain-opt": True}
     assert results["ratios"]["bytes_generic/legacy"] == 1.0
     assert results["ratios"]["bytes_generic/legacy (plain-opt)"] == 1.0
+
+
+def test_gpu_script_quick_runs_on_cpu(tmp_path):
+    # The script prepared for a lent accelerator; here tiny sizes on the CPU (its controller
+    # part is the controller bench, smoke-run above).
+    mod = importlib.import_module("experiments.bench.gpu")
+    argv = ["--quick", "--out", str(tmp_path), "--no-progress", "--controller", "false"]
+    returned = mod.main(argv)
+    payload = json.loads((tmp_path / "gpu.json").read_text())
+    results = payload["results"]
+    assert results["device"].startswith("cpu:") and results["device"] == returned["device"]
+    for key in ("wall_B/A (2^12)", "wall_C/A (2^12)", "wall_guarded/plain (tiny bf16)"):
+        assert isinstance(results["ratios"][key], float), key
+    assert results["ratios"]["tokens_per_s_guarded (tiny bf16)"] > 0
+    assert (tmp_path / "gpu.md").read_text().startswith("# Accelerator bench on cpu:")
