@@ -70,9 +70,9 @@ class SpikeRule:
 
     Then :math:`z = (r - m_r)/s` and, once :math:`n \ge` ``warmup_steps``, a step with any
     :math:`z >` ``z_threshold`` is a spike (one-sided). The tail scale is what lets one
-    threshold serve both kinds of noise: on 3 % Gaussian noise :math:`6s` is about 1.35× the
+    threshold serve both kinds of noise: on 3 % Gaussian noise :math:`7s` is about 1.6× the
     level, so a 2× spike is caught; on heavy-tailed noise (Student-t, 3 degrees of freedom,
-    5 %) the window's largest values are far out too, :math:`6s` is about 2.5× and healthy
+    5 %) the window's largest values are far out too, :math:`7s` is about 3.7× and healthy
     steps are not skipped (``experiments/bench/guard_streams.py``; figures in BUILD.md). A
     median and a top-3 % mean are not moved by one outlier, and a value is forgotten after
     ``window`` accepted steps, so an outlier (even one accepted during warmup) cannot keep
