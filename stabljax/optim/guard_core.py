@@ -68,15 +68,18 @@ class SpikeRule:
     * the *tail scale* :math:`s = \max(t - m_r,\ 0.01)`, where :math:`t` is the mean of the
       largest :math:`\max(1, \lfloor n_r/32 \rfloor)` of the :math:`n_r` residuals (the top 3 %).
 
-    Then :math:`z = (r - m_r)/s` and, once :math:`n \ge` ``warmup_steps``, a step with any
-    :math:`z >` ``z_threshold`` is a spike (one-sided). The tail scale is what lets one
-    threshold serve both kinds of noise: on 3 % Gaussian noise :math:`7s` is about 1.6× the
-    level, so a 2× spike is caught; on heavy-tailed noise (Student-t, 3 degrees of freedom,
-    5 %) the window's largest values are far out too, :math:`7s` is about 3.7× and healthy
-    steps are not skipped (``experiments/bench/guard_streams.py``; figures in BUILD.md). A
-    median and a top-3 % mean are not moved by one outlier, and a value is forgotten after
-    ``window`` accepted steps, so an outlier (even one accepted during warmup) cannot keep
-    the threshold high for long.
+    Then :math:`z = (e^{r - m_r} - 1)/(e^{s} - 1)`: how many times farther above the expected
+    level a value is than the window's top 3 % are (a ratio of relative excesses, so it grows
+    linearly with a huge spike, where :math:`(r - m_r)/s` would grow only as its log and a
+    noisy window could let a 10^5× spike through). Once :math:`n \ge` ``warmup_steps``, a
+    step with any :math:`z >` ``z_threshold`` is a spike (one-sided). The tail scale is what
+    lets one threshold serve both kinds of noise: on 3 % Gaussian noise the threshold is
+    about 1.6× the level, so a 2× spike is caught; on heavy-tailed noise (Student-t, 3
+    degrees of freedom, 5 %) the window's largest values are far out too, the threshold is
+    about 3× and healthy steps are not skipped (``experiments/bench/guard_streams.py``;
+    figures in BUILD.md). A median and a top-3 % mean are not moved by one outlier, and a
+    value is forgotten after ``window`` accepted steps, so an outlier (even one accepted
+    during warmup) cannot keep the threshold high for long.
 
     Values that are skipped, non-finite or :math:`\le 0` never enter the windows; a
     non-finite watched value is always a skip. A value :math:`\le 0` has no logarithm: it is
@@ -105,7 +108,7 @@ class SpikeRule:
       rebaseline_max_ratio: the largest jump absorbed, as a ratio to the level; > 1.
     """
 
-    z_threshold: float = 7.0
+    z_threshold: float = 9.0
     window: int = 128
     warmup_steps: int = 32
     watch: tuple[str, ...] = ("loss", "grad_norm")
@@ -325,7 +328,7 @@ def _spike_decision(rule: SpikeRule, state: SkipSpikesState, x: jax.Array):
     y, ok = _log_positive(x)
     level, med, scale = _window_stats(rule, state)
     armed = state.spike_accepted_steps >= rule.warmup_steps
-    z = jnp.where(armed & ok, (y - level - med) / scale, 0.0)
+    z = jnp.where(armed & ok, jnp.expm1(y - level - med) / jnp.expm1(scale), 0.0)
     return jnp.any(z > rule.z_threshold), z, y, ok, level, scale
 
 

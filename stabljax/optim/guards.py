@@ -105,7 +105,7 @@ def skip_nonfinite(
 def skip_spikes(
     inner: optax.GradientTransformation,
     *,
-    z_threshold: float = 7.0,
+    z_threshold: float = 9.0,
     window: int = 128,
     warmup_steps: int = 32,
     watch: Sequence[str] = ("loss", "grad_norm"),
