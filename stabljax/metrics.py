@@ -27,6 +27,7 @@ UPDATE_NORM = "update_norm"  # float32: global norm of the applied update (0 on 
 PARAM_NORM = "param_norm"  # float32: global norm of the params the grads were taken at
 SKIPPED = "skipped"  # bool: a stabljax guard skipped this step's update
 SKIP_STREAK = "skip_streak"  # int32: the longest current run of guard skips
+SPIKE_REBASELINES = "spike_rebaselines"  # int32: level shifts skip_spikes absorbed, cumulative
 OVERFLOW = "overflow"  # bool: float16 loss scaling found non-finite grads and skipped
 LOSS_SCALE = "loss_scale"  # float32: the loss scale this step ran at (1.0 without)
 
@@ -50,7 +51,17 @@ MAX_ATTN_LOGIT = "max_attn_logit"  # float32: max over layers, heads, causal pos
 RESIDUAL_RMS = "residual_rms"  # RMS of the residual stream at the input and after each block
 
 # Every key the step (with lm_loss and the reference Transformer) can write.
-STEP_KEYS = (LOSS, GRAD_NORM, UPDATE_NORM, PARAM_NORM, SKIPPED, SKIP_STREAK, OVERFLOW, LOSS_SCALE)
+STEP_KEYS = (
+    LOSS,
+    GRAD_NORM,
+    UPDATE_NORM,
+    PARAM_NORM,
+    SKIPPED,
+    SKIP_STREAK,
+    SPIKE_REBASELINES,
+    OVERFLOW,
+    LOSS_SCALE,
+)
 LM_KEYS = (CE, Z_LOSS, LOG_Z, LOG_Z_MAX)
 MODEL_KEYS = (MAX_ATTN_LOGIT,)
 KNOWN_KEYS = frozenset(STEP_KEYS + LM_KEYS + MODEL_KEYS + (LAYERS,))

@@ -18,7 +18,8 @@ Metrics (all ``jax.Array`` scalars):
   (0 on a skipped step);
 - ``skipped`` (bool): a stabljax guard anywhere in the optimizer state skipped this
   step; ``skip_streak`` (int32): the longest current run of guard skips, 0 without
-  guards;
+  guards; ``spike_rebaselines`` (int32): level shifts the ``skip_spikes`` guards absorbed
+  so far (cumulative; it rises by one on the step that re-baselined), 0 without them;
 - ``overflow`` (bool): float16 loss scaling found non-finite gradients and skipped the
   step (always False without loss scaling); it is not a guard skip;
 - ``loss_scale`` (float32): the scale this step ran at, 1.0 without loss scaling;
@@ -470,6 +471,7 @@ def make_train_step(
             metrics.PARAM_NORM: global_norm_f32(state.params),
             metrics.SKIPPED: skipped,
             metrics.SKIP_STREAK: jnp.asarray(guards.skip_streak(opt_state), jnp.int32),
+            metrics.SPIKE_REBASELINES: guards.spike_rebaselines(opt_state),
             metrics.OVERFLOW: overflow,
             metrics.LOSS_SCALE: scale,
         }

@@ -17,6 +17,7 @@ BENCHES = {
     "detectors": ("slow_false_alarms", "slow_delay", "spike", "real_curves", "ratios", "targets"),
     "generic_step": ("per_step", "ratios", "targets", "n_params", "hlo_identical"),
     "triage": ("ratios", "targets", "samples"),
+    "guard_streams": ("per_stream", "ratios", "targets"),
 }
 RATIOS = {
     "optimizer_update": (
@@ -49,9 +50,21 @@ RATIOS = {
         "bytes_generic/legacy (plain-opt)",
     ),
     "triage": ("triage/plain_large", "triage/plain_small"),
+    "guard_streams": (
+        "stabljax_bad_max",
+        "stabljax_nan_seeds_max",
+        "stabljax_healthy_skipped_max",
+        "stabljax_shift_skipped_max",
+    ),
 }
 # Those that compile a whole train step several times take tens of seconds.
-SLOW = {"train_step", "controller", "generic_step", "triage"}  # generic_step: see the test below
+SLOW = {
+    "train_step",
+    "controller",
+    "generic_step",
+    "triage",
+    "guard_streams",
+}  # generic_step: see the test below
 
 
 @pytest.mark.parametrize(
@@ -105,3 +118,18 @@ def test_generic_step_compiles_to_the_legacy_lm_program(tmp_path):
     assert results["hlo_identical"] == {"guarded": True, "plain-opt": True}
     assert results["ratios"]["bytes_generic/legacy"] == 1.0
     assert results["ratios"]["bytes_generic/legacy (plain-opt)"] == 1.0
+
+
+def test_gpu_script_quick_runs_on_cpu(tmp_path):
+    # The script prepared for a lent accelerator; here tiny sizes on the CPU (its controller
+    # part is the controller bench, smoke-run above).
+    mod = importlib.import_module("experiments.bench.gpu")
+    argv = ["--quick", "--out", str(tmp_path), "--no-progress", "--controller", "false"]
+    returned = mod.main(argv)
+    payload = json.loads((tmp_path / "gpu.json").read_text())
+    results = payload["results"]
+    assert results["device"].startswith("cpu:") and results["device"] == returned["device"]
+    for key in ("wall_B/A (2^12)", "wall_C/A (2^12)", "wall_guarded/plain (tiny bf16)"):
+        assert isinstance(results["ratios"][key], float), key
+    assert results["ratios"]["tokens_per_s_guarded (tiny bf16)"] > 0
+    assert (tmp_path / "gpu.md").read_text().startswith("# Accelerator bench on cpu:")

@@ -94,7 +94,7 @@ def test_last_axis_sharding_compiles_with_plain_optax_collectives(axis_type, col
 def _fsdp_run(axis_name):
     """One FSDP step under shard_map with a NaN in the last device's shard only.
 
-    Returns per-device (skipped, skips, streak, spike_accepted_steps, spike_mean[loss]) and the
+    Returns per-device (skipped, skips, streak, spike_accepted_steps, log loss, log norm) and the
     updates, gathered over the mesh, for two steps: a clean one, then the NaN one.
     """
     mesh = mesh8("data")
@@ -121,8 +121,8 @@ def _fsdp_run(axis_name):
                 state.spike_skips.astype(jnp.float32),
                 state.spike_streak.astype(jnp.float32),
                 state.spike_accepted_steps.astype(jnp.float32),
-                state.spike_mean[0],
-                state.spike_mean[1],
+                state.spike_levels[0, 0],
+                state.spike_levels[1, 0],
             ]
         )[None]
         return updates, state, diag
@@ -149,9 +149,9 @@ def test_shard_map_axis_name_one_decision_and_identical_counters():
     d1, d2, u1, u2, g1 = _fsdp_run("data")
     # Clean step: applied on every device; the statistics hold the global loss and norm.
     assert (d1[:, 0] == 0).all() and (d1[:, 3] == 1).all()
-    np.testing.assert_allclose(d1[:, 4], np.mean(np.arange(1.0, 9.0)), rtol=1e-6)
+    np.testing.assert_allclose(d1[:, 4], np.log(np.mean(np.arange(1.0, 9.0))), rtol=1e-6)
     g_norm = np.sqrt(sum(np.sum(np.asarray(x, np.float64) ** 2) for x in jax.tree.leaves(g1)))
-    np.testing.assert_allclose(d1[:, 5], g_norm, rtol=1e-5)
+    np.testing.assert_allclose(d1[:, 5], np.log(g_norm), rtol=1e-5)
     # NaN in one shard: every device skips, and every counter is equal on every device.
     assert (d2[:, 0] == 1).all() and (d2[:, 1] == 1).all() and (d2[:, 2] == 1).all()
     assert (d2 == d2[0]).all()
@@ -199,7 +199,7 @@ def test_inner_update_traced_at_most_twice_at_any_depth(depth, check_update):
         if level % 2:
             opt = skip_nonfinite(opt, check_update=check_update)
         else:
-            opt = skip_spikes(opt, warmup_steps=1, check_update=check_update)
+            opt = skip_spikes(opt, warmup_steps=2, check_update=check_update)
     params = {"w": jnp.ones((3,))}
     state = opt.init(params)
     jax.jit(opt.update).lower({"w": jnp.ones((3,))}, state, params, loss=1.0)
@@ -254,8 +254,8 @@ def _dots(compiled) -> int:
     "make",
     [
         lambda inner: skip_nonfinite(inner),
-        lambda inner: skip_spikes(inner, warmup_steps=1),
-        lambda inner: skip_nonfinite(skip_spikes(inner, warmup_steps=1)),
+        lambda inner: skip_spikes(inner, warmup_steps=2),
+        lambda inner: skip_nonfinite(skip_spikes(inner, warmup_steps=2)),
     ],
 )
 def test_matrix_optimizer_guarded_hlo_has_the_same_dots(make):
@@ -293,6 +293,18 @@ def test_value_is_optax_name_and_loss_its_alias():
     _, s = step({"w": jnp.ones(2)}, opt.init(params), params, value=1.0, loss=1.0)
     with pytest.raises(ValueError, match="both value= and loss="):
         opt.update({"w": jnp.ones(2)}, opt.init(params), params, value=1.0, loss=2.0)
+
+
+@pytest.mark.parametrize("bad", [np.nan, np.inf])
+def test_eager_nonfinite_value_and_loss_are_one_objective_and_skip(bad):
+    # NaN != NaN: compared elementwise, a NaN objective under both names looked like two.
+    params = {"w": jnp.ones((2,))}
+    for opt in (skip_nonfinite(optax.sgd(0.1)), skip_spikes(optax.sgd(0.1))):
+        u, s = opt.update({"w": jnp.ones(2)}, opt.init(params), params, value=bad, loss=bad)
+        assert bool(any_skipped(s))
+        assert np.asarray(u["w"]).tobytes() == np.zeros(2, np.float32).tobytes()
+    with pytest.raises(ValueError, match="both value= and loss="):
+        opt.update({"w": jnp.ones(2)}, opt.init(params), params, value=np.nan, loss=1.0)
 
 
 def test_traced_value_and_loss_that_differ_skip_the_step():
@@ -344,6 +356,9 @@ def test_skip_step_configuration_errors():
         skip_step(optax.sgd(0.1), spikes={"z_threshold": 3.0})
     with pytest.raises(ValueError, match="`warmup_steps`"):
         SpikeRule(warmup_steps=2.5)
+    for w in (0, 1):  # one residual has no spread to test against
+        with pytest.raises(ValueError, match=r"`warmup_steps` must be an int >= 2"):
+            SpikeRule(warmup_steps=w)
 
 
 def test_nonfinite_selects_what_is_checked():

@@ -42,6 +42,7 @@ CONTRACT = {
     "param_norm",
     "skipped",
     "skip_streak",
+    "spike_rebaselines",
     "overflow",
     "loss_scale",
 }
@@ -180,8 +181,8 @@ def test_metrics_contract_and_values():
     assert set(m) == CONTRACT
     assert all(isinstance(v, jax.Array) and v.shape == () for v in m.values())
     assert m["skipped"].dtype == jnp.bool_ and m["overflow"].dtype == jnp.bool_
-    assert m["skip_streak"].dtype == jnp.int32
-    for k in CONTRACT - {"skipped", "overflow", "skip_streak"}:
+    assert m["skip_streak"].dtype == jnp.int32 and m["spike_rebaselines"].dtype == jnp.int32
+    for k in CONTRACT - {"skipped", "overflow", "skip_streak", "spike_rebaselines"}:
         assert m[k].dtype == jnp.float32, k
     np.testing.assert_allclose(m["loss"], loss, rtol=1e-6)
     for k in ("ce", "z_loss", "log_z", "log_z_max"):

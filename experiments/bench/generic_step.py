@@ -123,6 +123,7 @@ def legacy_lm_step(
             # On an overflow the optimizer did not run: its flags are the previous step's.
             "skipped": jnp.logical_and(jnp.logical_not(overflow), guards.any_skipped(opt_state)),
             "skip_streak": jnp.asarray(guards.skip_streak(opt_state), jnp.int32),
+            "spike_rebaselines": guards.spike_rebaselines(opt_state),
             "overflow": overflow,
             "loss_scale": scale,
         }

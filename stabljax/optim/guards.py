@@ -37,6 +37,7 @@ __all__ = [
     "skip_spikes",
     "skip_step",
     "skip_streak",
+    "spike_rebaselines",
 ]
 
 
@@ -104,42 +105,50 @@ def skip_nonfinite(
 def skip_spikes(
     inner: optax.GradientTransformation,
     *,
-    z_threshold: float = 6.0,
-    ema_decay: float = 0.99,
-    warmup_steps: int = 100,
+    z_threshold: float = 9.0,
+    window: int = 128,
+    warmup_steps: int = 32,
     watch: Sequence[str] = ("loss", "grad_norm"),
+    rebaseline_after: int | None = 6,
+    rebaseline_max_ratio: float = 4.0,
     check_update: bool = False,
     axis_name: AxisName | None = None,
 ) -> optax.GradientTransformationExtraArgs:
-    r"""Skips the whole step when the loss or the gradient norm spikes above its running mean.
+    r"""Skips the whole step when the loss or the gradient norm spikes above its recent level.
 
-    :func:`skip_step` with ``spikes=SpikeRule(z_threshold, ema_decay, warmup_steps,
-    watch)``; see :class:`SpikeRule` for the statistics. The watched values are
-    ``"loss"`` (the ``value=``/``loss=`` extra argument) and ``"grad_norm"`` (the global
-    norm of the incoming gradients, in float32). The step is skipped when
+    :func:`skip_step` with ``spikes=SpikeRule(z_threshold, window, warmup_steps, watch,
+    rebaseline_after, rebaseline_max_ratio)``; see :class:`SpikeRule` for the statistics
+    (log space, a median level over the last 16 accepted values, a tail scale over the last
+    ``window`` residuals, all on device). The watched values are ``"loss"`` (the
+    ``value=``/``loss=`` extra argument) and ``"grad_norm"`` (the global norm of the
+    incoming gradients, in float32). The step is skipped when
 
     * the gradient norm, or a watched objective, is NaN or Inf (always), or
-    * :math:`n \ge` ``warmup_steps`` (and :math:`n \ge 1`) and any :math:`z >`
-      ``z_threshold`` (one-sided: values far below the mean are welcome).
+    * :math:`n \ge` ``warmup_steps`` accepted steps have been gathered and any
+      :math:`z >` ``z_threshold`` (one-sided: values far below the level are welcome).
 
-    Only accepted steps with finite values update the statistics and :math:`n`: a
-    skipped spike or a NaN never enters them (the flaw of MaxText's and Levanter's
-    ports, where one NaN poisons the next window), so a normal step right after it is
-    not skipped. A skipped step returns exact zeros and keeps the inner state
-    bit-for-bit. On a deterministic objective a flagged step therefore repeats on
-    every call (the statistics do not move): ``spike_streak`` grows, and a controller
-    (rollback with a data skip) acts on it. With ``warmup_steps`` 0 the first step
-    still only gathers, since there are no statistics yet.
+    Only accepted steps with finite values enter the windows: a skipped spike or a NaN
+    never does (the flaw of MaxText's and Levanter's ports, where one NaN poisons the next
+    window), so a normal step right after it is not skipped. A skipped step returns exact
+    zeros and keeps the inner state bit-for-bit. ``rebaseline_after`` consecutive spikes
+    that agree with each other (a level shift, not an outlier; see :class:`SpikeRule`)
+    re-baseline the level and count in ``spike_rebaselines``, so a permanent 2× shift costs
+    that many skipped steps instead of a stall. A larger jump, or a flagged step repeating
+    on a deterministic objective that does not agree, keeps ``spike_streak`` growing for a
+    controller (rollback with a data skip) to act on.
 
     Args:
       inner: the transformation to guard, e.g. a whole optimizer.
       z_threshold: skip when a watched value is more than this many standard
         deviations above its mean; > 0.
-      ema_decay: decay :math:`d` of the statistics, in (0, 1); the window is about
-        :math:`1/(1-d)` accepted steps.
-      warmup_steps: accepted steps during which statistics are only gathered; >= 0.
+      window: accepted residuals the median and tail scale are taken over; an int >= 8.
+      warmup_steps: accepted steps during which values are only gathered; an int >= 2.
       watch: a non-empty tuple of distinct names from ``("loss", "grad_norm")``. With
         ``"loss"`` watched, ``update`` must be given the objective (a scalar).
+      rebaseline_after: consecutive agreeing spikes that re-baseline the level; an int
+        >= 2, or None to never re-baseline.
+      rebaseline_max_ratio: the largest jump a re-baseline absorbs, as a ratio to the
+        level; > 1.
       check_update: also skip when the inner update is non-finite (see
         :func:`skip_step`).
       axis_name: the ``shard_map``/``pmap`` axes the gradients are sharded over.
@@ -181,11 +190,16 @@ def skip_spikes(
       Chowdhery et al., `PaLM: Scaling Language Modeling with Pathways
       <https://arxiv.org/abs/2204.02311>`_, 2022
 
-      West, `Updating mean and variance estimates: an improved method
-      <https://doi.org/10.1145/359146.359153>`_, 1979
+      Rousseeuw and Croux, `Alternatives to the Median Absolute Deviation
+      <https://doi.org/10.1080/01621459.1993.10476408>`_, 1993
     """
     rule = SpikeRule(
-        z_threshold=z_threshold, ema_decay=ema_decay, warmup_steps=warmup_steps, watch=watch
+        z_threshold=z_threshold,
+        window=window,
+        warmup_steps=warmup_steps,
+        watch=watch,
+        rebaseline_after=rebaseline_after,
+        rebaseline_max_ratio=rebaseline_max_ratio,
     )
     # The gradient norm is always checked; the objective only when watched, so that a
     # grad-norm-only guard works on steps whose loss is not (yet) meaningful.
@@ -263,3 +277,32 @@ def skip_streak(opt_state: optax.OptState) -> jax.Array:
         for v in _found(opt_state, ("nonfinite_streak", "spike_streak"))
     ]
     return functools.reduce(jnp.maximum, streaks, jnp.zeros([], jnp.int32))
+
+
+def spike_rebaselines(opt_state: optax.OptState) -> jax.Array:
+    """How many level shifts the :func:`skip_spikes` guards in a state have absorbed.
+
+    The sum of every ``spike_rebaselines`` field found anywhere in ``opt_state`` (see
+    :func:`any_skipped`): cumulative, it rises by one on the step whose run of agreeing
+    spikes re-baselined a guard (see :class:`SpikeRule`). The train step reports it as
+    ``metrics["spike_rebaselines"]``.
+
+    Args:
+      opt_state: any optimizer state.
+
+    Returns:
+      An int32 scalar ``jax.Array``; 0 when the state holds no spike guard.
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> import optax
+      >>> from stabljax.optim.guards import skip_spikes, spike_rebaselines
+      >>> opt = skip_spikes(optax.sgd(0.1), warmup_steps=3, watch=("loss",), rebaseline_after=2)
+      >>> state = opt.init(jnp.zeros(2))
+      >>> for loss in [1.0, 1.0, 1.0, 2.0, 2.0, 2.0]:
+      ...     _, state = opt.update(jnp.ones(2), state, loss=loss)
+      >>> print(int(spike_rebaselines(state)), bool(state.spike_skipped))
+      1 False
+    """
+    counts = [jnp.sum(v).astype(jnp.int32) for v in _found(opt_state, ("spike_rebaselines",))]
+    return functools.reduce(jnp.add, counts, jnp.zeros([], jnp.int32))
