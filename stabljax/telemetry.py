@@ -12,6 +12,7 @@ so an ``nnx.State`` gives the module path (``"linear/kernel"``).
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Mapping
 from typing import Any
 
@@ -20,11 +21,12 @@ import jax.numpy as jnp
 import numpy as np
 
 from stabljax import metrics
-from stabljax.optim._base import all_finite
+from stabljax.optim._base import all_finite, path_str
 from stabljax.optim._base import global_norm_f32 as global_norm
 
 __all__ = (
     "adam_eps_report",
+    "attn_logit_metrics",
     "global_norm",
     "layer_metrics",
     "layer_metrics_to_host",
@@ -32,33 +34,6 @@ __all__ = (
 )
 
 _ADAM_FIELDS = ("mu", "nu", "count")
-
-
-def path_str(path: tuple[Any, ...]) -> str:
-    """Joins a pytree key path with ``/`` (``"dense/w"``, ``"blocks/0"``).
-
-    Example:
-      >>> import jax
-      >>> from stabljax.telemetry import path_str
-      >>> tree = {"dense": {"w": 1.0}, "blocks": [2.0]}
-      >>> [path_str(p) for p, _ in jax.tree_util.tree_flatten_with_path(tree)[0]]
-      ['blocks/0', 'dense/w']
-    """
-    parts = []
-    for k in path:
-        if isinstance(k, jax.tree_util.DictKey):
-            parts.append(str(k.key))
-        elif isinstance(k, jax.tree_util.SequenceKey):
-            parts.append(str(k.idx))
-        elif isinstance(k, jax.tree_util.GetAttrKey):
-            parts.append(k.name)
-        elif isinstance(k, jax.tree_util.FlattenedIndexKey):
-            parts.append(str(k.key))
-        else:  # optax's NamedTupleKey and any other key entry
-            parts.append(str(getattr(k, "name", k)))
-    if path and isinstance(path[-1], jax.tree_util.GetAttrKey) and path[-1].name == "value":
-        parts.pop()  # an nnx.Variable's payload: name the variable, not its field
-    return "/".join(parts)
 
 
 def _ratio(num: jax.Array, den: jax.Array) -> jax.Array:
@@ -106,6 +81,34 @@ def layer_metrics(grads: Any, params: Any, updates: Any) -> dict[str, dict[str, 
         out[metrics.LAYER_UPDATE_RATIO][key] = _ratio(global_norm(u), p_norm)
         out[metrics.LAYER_NONFINITE_GRAD][key] = jnp.logical_not(all_finite(g))
     return out
+
+
+def attn_logit_metrics(max_logits: Any) -> dict[str, Any]:
+    """The max attention logit overall and per layer, from per-layer, per-head maxima.
+
+    Args:
+      max_logits: a ``[n_layers, n_heads]`` array (the reference Transformer's
+        ``aux["max_attn_logits"]``) or a ``{layer: [n_heads]}`` mapping.
+
+    Returns:
+      ``{"max_attn_logit": scalar, "max_attn_logit_layers": {str(layer): scalar}}``,
+      float32 device values.
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> from stabljax.telemetry import attn_logit_metrics
+      >>> m = attn_logit_metrics(jnp.array([[1.0, 7.0], [3.0, 2.0]]))
+      >>> print(m["max_attn_logit"], {k: float(v) for k, v in m["max_attn_logit_layers"].items()})
+      7.0 {'0': 7.0, '1': 3.0}
+    """
+    if isinstance(max_logits, Mapping):
+        items = list(max_logits.items())
+    else:
+        arr = jnp.asarray(max_logits)
+        items = [(i, arr[i]) for i in range(arr.shape[0])]
+    layers = {str(k): jnp.max(jnp.asarray(v, jnp.float32)) for k, v in items}
+    overall = functools.reduce(jnp.maximum, layers.values(), jnp.float32(-jnp.inf))
+    return {metrics.MAX_ATTN_LOGIT: overall, metrics.MAX_ATTN_LOGIT_LAYERS: layers}
 
 
 def layer_metrics_to_host(step_metrics: Mapping[str, Any]) -> dict[str, float]:
