@@ -197,11 +197,12 @@ def summarize(cfg: Config, rows: list[dict]) -> tuple[dict, dict]:
                 ]
                 name = f"{opt} {arm} @ lr {lr:g}"
                 effects[name] = {
-                    PRIMARY: stats.paired_t_effect(rem, base, PRIMARY),
-                    "mechanism": stats.paired_t_effect(
+                    PRIMARY: stats.paired_effect(rem, base, PRIMARY, interval="t"),
+                    "mechanism": stats.paired_effect(
                         seeds_of("late_max_attn_logit", arm),
                         seeds_of("late_max_attn_logit", "none"),
                         "late_max_attn_logit",
+                        interval="t",
                     ),
                 }
                 keys.append(name)

@@ -62,17 +62,29 @@ def per_seed(rows: Sequence[dict[str, Any]], key: str, seeds: Sequence[int], **m
     ]
 
 
-def paired_effect(remedy: Sequence[float], base: Sequence[float], metric: str) -> dict[str, Any]:
-    """``remedy − base`` per seed (same seeds, same order), its mean and 95 % interval."""
+def paired_effect(
+    remedy: Sequence[float], base: Sequence[float], metric: str, *, interval: str = "bootstrap"
+) -> dict[str, Any]:
+    """``remedy − base`` per seed (same seeds, same order), its mean and 95 % interval.
+
+    ``interval="bootstrap"``: the percentile bootstrap; ``"t"``: issue 29's paired
+    t-interval, with the exact sign-flip p-value as ``p_sign_flip``.
+    """
     r, b = np.asarray(remedy, dtype=float), np.asarray(base, dtype=float)
     if r.shape != b.shape or r.ndim != 1:
         raise ValueError(f"remedy and base must be 1-D of one length, got {r.shape}, {b.shape}")
     d = r - b
-    lo, hi = bootstrap_ci(d)
+    if interval == "bootstrap":
+        (lo, hi), extra = bootstrap_ci(d), {}
+    elif interval == "t":
+        (lo, hi), extra = t_interval(d), {"interval": "paired t", "p_sign_flip": sign_flip_p(d)}
+    else:
+        raise ValueError(f"interval must be 'bootstrap' or 't', got {interval!r}")
     return {
         "metric": metric,
         "effect_mean": float(np.mean(d)),
         "ci95": [lo, hi],
+        **extra,
         "per_seed": d.tolist(),
     }
 
@@ -311,20 +323,3 @@ def holm(pvalues: Sequence[float]) -> list[float]:
         running = max(running, min(1.0, (m - rank) * p[i]))
         adj[i] = running
     return adj.tolist()
-
-
-def paired_t_effect(remedy: Sequence[float], base: Sequence[float], metric: str) -> dict[str, Any]:
-    """``remedy − base`` per seed: mean, 95 % t-interval and exact sign-flip p (issue 29)."""
-    r, b = np.asarray(remedy, dtype=float), np.asarray(base, dtype=float)
-    if r.shape != b.shape or r.ndim != 1:
-        raise ValueError(f"remedy and base must be 1-D of one length, got {r.shape}, {b.shape}")
-    d = r - b
-    lo, hi = t_interval(d)
-    return {
-        "metric": metric,
-        "effect_mean": float(np.mean(d)),
-        "ci95": [lo, hi],
-        "interval": "paired t",
-        "p_sign_flip": sign_flip_p(d),
-        "per_seed": d.tolist(),
-    }

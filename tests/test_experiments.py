@@ -345,7 +345,9 @@ def test_holm_hand_computed():
     assert adj[0] == pytest.approx(0.06) and math.isnan(adj[1]) and adj[2] == pytest.approx(0.8)
 
 
-def test_paired_t_effect():
-    e = stats.paired_t_effect([1.0, 2.0, 3.0], [2.0, 3.0, 4.5], "loss")
+def test_paired_effect_with_a_t_interval():
+    e = stats.paired_effect([1.0, 2.0, 3.0], [2.0, 3.0, 4.5], "loss", interval="t")
     assert e["effect_mean"] == pytest.approx(-7 / 6) and e["interval"] == "paired t"
     assert e["p_sign_flip"] == 0.25 and e["ci95"][1] < 0
+    with pytest.raises(ValueError, match="interval"):
+        stats.paired_effect([1.0], [1.0], "loss", interval="bca")
