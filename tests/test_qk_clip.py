@@ -399,3 +399,20 @@ def test_qk_layers_refuses_qk_norm():
     cfg = stabljax.TransformerConfig(d_model=32, n_layers=1, n_heads=4, max_len=8, qk_norm=True)
     with pytest.raises(ValueError, match="qk_norm"):
         stabljax.TransformerLM(cfg, rngs=nnx.Rngs(0)).qk_layers()
+
+
+def test_in_multisteps_clips_only_when_the_accumulated_update_is_emitted():
+    params, layers = case("mha")
+    inner = optax.chain(optax.sgd(0.1), qk_clip(layers, tau=TAU))
+    opt = optax.MultiSteps(inner, every_k_schedule=2)
+    state = opt.init(params)
+    update = jax.jit(opt.update)
+    g1, g2 = (jax.tree.map(lambda x, s=s: rand(s, x.shape), params) for s in (11, 12))
+    ml = logits_for(layers, 0)
+    u, state = update(g1, state, params, max_logits=ml)
+    chex.assert_trees_all_equal(u, optax.tree.zeros_like(params))  # nothing emitted, no clip
+    u, state = update(g2, state, params, max_logits=ml)
+    mean = jax.tree.map(lambda a, b: -0.1 * (a + b) / 2, g1, g2)
+    want = np_qk_clip(params, mean, layers, ml)
+    for k, v in optax.apply_updates(params, u).items():
+        np.testing.assert_allclose(v, want[k], rtol=2e-6, atol=2e-6)
