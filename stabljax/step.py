@@ -49,7 +49,7 @@ from stabljax.losses import LossFn, lm_loss
 from stabljax.nnx_bridge import nnx_apply, nnx_merge
 from stabljax.optim import guards
 from stabljax.optim._base import global_norm_f32, with_extra_args
-from stabljax.optim.qk_clip import QKLayer, qk_logit_proxy
+from stabljax.optim.qk_clip import QKLayer, check_layers, qk_logit_proxy
 from stabljax.precision import LossScaleState, Precision, all_finite, scale_loss, unscale_grads
 
 __all__ = (
@@ -386,6 +386,8 @@ def make_train_step(
         raise ValueError(
             f"make_train_step: `precision` must be a stabljax Precision; got {precision!r}."
         )
+    if qk_layers is not None:
+        check_layers(qk_layers, owner="make_train_step", arg="qk_layers")
     tx = with_extra_args(optimizer)
     dls = precision.loss_scale
     accepted = _accepted_kwargs(loss_fn)

@@ -416,3 +416,11 @@ def test_in_multisteps_clips_only_when_the_accumulated_update_is_emitted():
     want = np_qk_clip(params, mean, layers, ml)
     for k, v in optax.apply_updates(params, u).items():
         np.testing.assert_allclose(v, want[k], rtol=2e-6, atol=2e-6)
+
+
+def test_make_train_step_checks_qk_layers_eagerly():
+    with pytest.raises(ValueError, match="make_train_step: `qk_layers`"):
+        make_train_step(lambda p, b: (0.0, None), optax.sgd(0.1), qk_layers={})
+    bad = {0: QKLayer(QKHeads("wq", 4), QKHeads("wk", 3))}
+    with pytest.raises(ValueError, match=r"make_train_step: `qk_layers\[0\]`"):
+        make_train_step(lambda p, b: (0.0, None), optax.sgd(0.1), qk_layers=bad)

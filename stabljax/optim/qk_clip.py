@@ -19,7 +19,15 @@ import optax
 
 from stabljax.optim._base import path_str, validate
 
-__all__ = ("QKClipState", "QKHeads", "QKLayer", "qk_clip", "qk_clip_scales", "qk_logit_proxy")
+__all__ = (
+    "QKClipState",
+    "QKHeads",
+    "QKLayer",
+    "check_layers",
+    "qk_clip",
+    "qk_clip_scales",
+    "qk_logit_proxy",
+)
 
 _OWNER = "qk_clip"
 
@@ -73,62 +81,57 @@ class QKClipState(NamedTuple):
     qk_clipped_heads: jax.Array  # shape=(), int32: query heads clipped on the last update
 
 
-def _as_tuple(owner_arg: str, spec: Any) -> tuple[QKHeads, ...]:
+def _as_tuple(owner: str, arg: str, spec: Any) -> tuple[QKHeads, ...]:
     specs = (spec,) if isinstance(spec, QKHeads) else tuple(spec) if spec is not None else ()
     if not specs or not all(isinstance(s, QKHeads) for s in specs):
         raise ValueError(
-            f"{_OWNER}: `{owner_arg}` must be a QKHeads or a non-empty sequence of them; "
-            f"got {spec!r}."
+            f"{owner}: `{arg}` must be a QKHeads or a non-empty sequence of them; got {spec!r}."
         )
     for s in specs:
         if not (isinstance(s.path, str) and s.path):
-            raise ValueError(f"{_OWNER}: `{owner_arg}.path` must be a non-empty str; got {s!r}.")
-        for name in ("n_heads", "axis", "offset"):
-            if not isinstance(getattr(s, name), int) or isinstance(getattr(s, name), bool):
-                raise ValueError(f"{_OWNER}: `{owner_arg}.{name}` must be an int; got {s!r}.")
+            raise ValueError(f"{owner}: `{arg}.path` must be a non-empty str; got {s!r}.")
+        for field in ("n_heads", "axis", "offset"):
+            v = getattr(s, field)
+            if not isinstance(v, int) or isinstance(v, bool):
+                raise ValueError(f"{owner}: `{arg}.{field}` must be an int; got {s!r}.")
         if s.n_heads < 1:
-            raise ValueError(f"{_OWNER}: `{owner_arg}.n_heads` must be >= 1; got {s!r}.")
+            raise ValueError(f"{owner}: `{arg}.n_heads` must be >= 1; got {s!r}.")
         if s.offset < 0:
-            raise ValueError(f"{_OWNER}: `{owner_arg}.offset` must be >= 0; got {s!r}.")
-        if s.head_width is not None and not (
-            isinstance(s.head_width, int)
-            and not isinstance(s.head_width, bool)
-            and s.head_width >= 1
-        ):
-            raise ValueError(
-                f"{_OWNER}: `{owner_arg}.head_width` must be None or an int >= 1; got {s!r}."
-            )
+            raise ValueError(f"{owner}: `{arg}.offset` must be >= 0; got {s!r}.")
+        w = s.head_width
+        if w is not None and not (isinstance(w, int) and not isinstance(w, bool) and w >= 1):
+            raise ValueError(f"{owner}: `{arg}.head_width` must be None or an int >= 1; got {s!r}.")
     if len({s.n_heads for s in specs}) != 1:
-        raise ValueError(f"{_OWNER}: every `{owner_arg}` entry must have the same n_heads: {specs}")
+        raise ValueError(f"{owner}: every `{arg}` entry must have the same n_heads: {specs}")
     return specs
 
 
-def _check_layers(layers: Any) -> dict[Hashable, tuple[tuple[QKHeads, ...], tuple[QKHeads, ...]]]:
-    """``{layer: (q specs, k specs)}``, or ValueError naming the bad argument."""
+def check_layers(
+    layers: Any, *, owner: str = _OWNER, arg: str = "layers"
+) -> dict[Hashable, tuple[tuple[QKHeads, ...], tuple[QKHeads, ...]]]:
+    """``{layer: (q specs, k specs)}`` of a :func:`qk_clip` ``layers`` map, or a ValueError
+    that names the argument (``owner``: who asks, ``arg``: the argument's name)."""
     if not isinstance(layers, Mapping) or not layers:
         raise ValueError(
-            f"{_OWNER}: `layers` must be a non-empty mapping {{layer: QKLayer}}; got {layers!r}."
+            f"{owner}: `{arg}` must be a non-empty mapping {{layer: QKLayer}}; got {layers!r}."
         )
     out = {}
     for name, layer in layers.items():
+        where = f"{arg}[{name!r}]"
         if not isinstance(layer, QKLayer):
-            raise ValueError(
-                f"{_OWNER}: `layers[{name!r}]` must be a QKLayer(q=..., k=...); got {layer!r}."
-            )
-        q = _as_tuple(f"layers[{name!r}].q", layer.q)
-        k = _as_tuple(f"layers[{name!r}].k", layer.k)
+            raise ValueError(f"{owner}: `{where}` must be a QKLayer(q=..., k=...); got {layer!r}.")
+        q = _as_tuple(owner, f"{where}.q", layer.q)
+        k = _as_tuple(owner, f"{where}.k", layer.k)
         n_q, n_kv = q[0].n_heads, k[0].n_heads
         if n_q % n_kv:
             raise ValueError(
-                f"{_OWNER}: `layers[{name!r}]`: the {n_kv} key heads must divide the {n_q} "
-                "query heads (GQA groups)."
+                f"{owner}: `{where}`: the {n_kv} key heads must divide the {n_q} query heads "
+                "(GQA groups)."
             )
-        if layer.head_dim is not None and not (
-            isinstance(layer.head_dim, int) and layer.head_dim >= 1
-        ):
+        hd = layer.head_dim
+        if hd is not None and not (isinstance(hd, int) and not isinstance(hd, bool) and hd >= 1):
             raise ValueError(
-                f"{_OWNER}: `layers[{name!r}].head_dim` must be None or an int >= 1; "
-                f"got {layer.head_dim!r}."
+                f"{owner}: `{where}.head_dim` must be None or an int >= 1; got {hd!r}."
             )
         out[name] = (q, k)
     return out
@@ -216,7 +219,7 @@ def qk_logit_proxy(layers: Mapping[Hashable, QKLayer], params: Any) -> dict[str,
     Returns:
       ``{str(layer): scalar}``.
     """
-    specs = _check_layers(layers)
+    specs = check_layers(layers)
     index, leaves, _ = _leaves_by_path(params)
     out = {}
     for name, (q, k) in specs.items():
@@ -241,7 +244,7 @@ def qk_clip_scales(
     The pure core of :func:`qk_clip` (see it for the algorithm): ``{path: factor}``
     with each factor float32 and broadcastable to its leaf (1 on entries of no head).
     """
-    specs = _check_layers(layers)
+    specs = check_layers(layers)
     index, leaves, _ = _leaves_by_path(params)
     tau = jnp.asarray(tau, jnp.float32)
     scales: dict[str, jax.Array] = {}
@@ -351,7 +354,7 @@ def qk_clip(
       Kimi Team, `Kimi K2: Open Agentic Intelligence
       <https://arxiv.org/abs/2507.20534>`_, 2025
     """
-    specs = _check_layers(layers)
+    specs = check_layers(layers)
     validate(_OWNER, "tau", tau, lambda v: (v.ndim == 0) & (v > 0) & (v < math.inf), "> 0")
     validate(_OWNER, "alpha", alpha, lambda v: (v.ndim == 0) & (v >= 0) & (v <= 1), "in [0, 1]")
 
