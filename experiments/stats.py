@@ -62,17 +62,29 @@ def per_seed(rows: Sequence[dict[str, Any]], key: str, seeds: Sequence[int], **m
     ]
 
 
-def paired_effect(remedy: Sequence[float], base: Sequence[float], metric: str) -> dict[str, Any]:
-    """``remedy − base`` per seed (same seeds, same order), its mean and 95 % interval."""
+def paired_effect(
+    remedy: Sequence[float], base: Sequence[float], metric: str, *, interval: str = "bootstrap"
+) -> dict[str, Any]:
+    """``remedy − base`` per seed (same seeds, same order), its mean and 95 % interval.
+
+    ``interval="bootstrap"``: the percentile bootstrap; ``"t"``: issue 29's paired
+    t-interval, with the exact sign-flip p-value as ``p_sign_flip``.
+    """
     r, b = np.asarray(remedy, dtype=float), np.asarray(base, dtype=float)
     if r.shape != b.shape or r.ndim != 1:
         raise ValueError(f"remedy and base must be 1-D of one length, got {r.shape}, {b.shape}")
     d = r - b
-    lo, hi = bootstrap_ci(d)
+    if interval == "bootstrap":
+        (lo, hi), extra = bootstrap_ci(d), {}
+    elif interval == "t":
+        (lo, hi), extra = t_interval(d), {"interval": "paired t", "p_sign_flip": sign_flip_p(d)}
+    else:
+        raise ValueError(f"interval must be 'bootstrap' or 't', got {interval!r}")
     return {
         "metric": metric,
         "effect_mean": float(np.mean(d)),
         "ci95": [lo, hi],
+        **extra,
         "per_seed": d.tolist(),
     }
 
@@ -195,3 +207,119 @@ def interval(values: Sequence[float]) -> dict[str, Any]:
     v = np.asarray(values, dtype=float)
     lo, hi = bootstrap_ci(v)
     return {"mean": float(np.mean(v)), "ci95": [lo, hi]}
+
+
+# --------------------------------------------------------------------------- issue 29's rules:
+# paired t-intervals, exact sign-flip permutation p-values, Holm's correction.
+
+
+def _betacf(a: float, b: float, x: float) -> float:
+    """The continued fraction of the regularized incomplete beta (modified Lentz)."""
+    tiny, qab, qap, qam = 1e-300, a + b, a + 1.0, a - 1.0
+    c, d = 1.0, 1.0 - qab * x / qap
+    d = 1.0 / (d if abs(d) > tiny else tiny)
+    h = d
+    for m in range(1, 500):
+        m2 = 2 * m
+        for aa in (
+            m * (b - m) * x / ((qam + m2) * (a + m2)),
+            -(a + m) * (qab + m) * x / ((a + m2) * (qap + m2)),
+        ):
+            d = 1.0 + aa * d
+            d = 1.0 / (d if abs(d) > tiny else tiny)
+            c = 1.0 + aa / c
+            c = c if abs(c) > tiny else tiny
+            h *= d * c
+        if abs(d * c - 1.0) < 1e-15:
+            break
+    return h
+
+
+def _betainc(a: float, b: float, x: float) -> float:
+    """The regularized incomplete beta function I_x(a, b)."""
+    if x <= 0.0:
+        return 0.0
+    if x >= 1.0:
+        return 1.0
+    lbeta = math.lgamma(a + b) - math.lgamma(a) - math.lgamma(b)
+    front = math.exp(lbeta + a * math.log(x) + b * math.log1p(-x))
+    if x < (a + 1.0) / (a + b + 2.0):
+        return front * _betacf(a, b, x) / a
+    return 1.0 - front * _betacf(b, a, 1.0 - x) / b
+
+
+def t_cdf(t: float, df: float) -> float:
+    """The CDF of Student's t with ``df`` degrees of freedom."""
+    if df <= 0:
+        raise ValueError(f"df must be > 0, got {df}")
+    tail = 0.5 * _betainc(df / 2.0, 0.5, df / (df + t * t))
+    return 1.0 - tail if t >= 0 else tail
+
+
+def t_quantile(q: float, df: float) -> float:
+    """The ``q`` quantile of Student's t (bisection on :func:`t_cdf`, to 1e-12)."""
+    if not 0 < q < 1:
+        raise ValueError(f"q must be in (0, 1), got {q}")
+    if q < 0.5:
+        return -t_quantile(1 - q, df)
+    lo, hi = 0.0, 1.0
+    while t_cdf(hi, df) < q:
+        hi *= 2.0
+    for _ in range(200):
+        mid = 0.5 * (lo + hi)
+        lo, hi = (mid, hi) if t_cdf(mid, df) < q else (lo, mid)
+        if hi - lo < 1e-12 * max(1.0, hi):
+            break
+    return 0.5 * (lo + hi)
+
+
+def t_interval(x: Sequence[float], *, level: float = 0.95) -> tuple[float, float]:
+    """The t-interval of the mean of ``x`` (paired differences): mean ± t·sd/√n.
+
+    Non-finite entries, or fewer than 2, give ``(nan, nan)``.
+    """
+    v = np.asarray(x, dtype=float)
+    if v.ndim != 1 or v.size == 0:
+        raise ValueError(f"x must be a non-empty 1-D sequence, got shape {v.shape}")
+    if not 0 < level < 1:
+        raise ValueError(f"level must be in (0, 1), got {level}")
+    if v.size < 2 or not np.all(np.isfinite(v)):
+        return float("nan"), float("nan")
+    half = t_quantile(0.5 + level / 2, v.size - 1) * float(np.std(v, ddof=1)) / math.sqrt(v.size)
+    m = float(np.mean(v))
+    return m - half, m + half
+
+
+def sign_flip_p(x: Sequence[float]) -> float:
+    """Exact two-sided sign-flip permutation p-value of the mean of paired differences.
+
+    Under H0 (each difference symmetric about 0) every one of the 2^n sign patterns is
+    equally likely; p is the fraction whose |mean| is at least the observed one (the
+    observed pattern included, so p ≥ 2/2^n for n ≥ 1 and a non-zero mean). Exact, so n ≤ 20.
+    Non-finite entries give NaN.
+    """
+    v = np.asarray(x, dtype=float)
+    if v.ndim != 1 or v.size == 0 or v.size > 20:
+        raise ValueError(f"x must be 1-D with 1..20 entries, got shape {v.shape}")
+    if not np.all(np.isfinite(v)):
+        return float("nan")
+    n = v.size
+    patterns = (np.arange(2**n)[:, None] >> np.arange(n)[None, :]) & 1
+    sums = np.abs((1 - 2 * patterns) @ v)
+    observed = abs(float(v.sum()))
+    return float(np.mean(sums >= observed - 1e-12 * max(1.0, observed)))
+
+
+def holm(pvalues: Sequence[float]) -> list[float]:
+    """Holm's step-down adjusted p-values, in the input order (NaN stays NaN, counts in m)."""
+    p = np.asarray(pvalues, dtype=float)
+    m = p.size
+    order = np.argsort(np.where(np.isnan(p), np.inf, p), kind="stable")
+    adj = np.full(m, np.nan)
+    running = 0.0
+    for rank, i in enumerate(order):
+        if np.isnan(p[i]):
+            continue
+        running = max(running, min(1.0, (m - rank) * p[i]))
+        adj[i] = running
+    return adj.tolist()

@@ -149,6 +149,9 @@ class Trainer:
             return loss, {
                 "log_z": aux["log_z"],
                 "max_attn_logit": a["max_attn_logit"],
+                # per layer and head: the step passes it to the optimizer as max_logits=
+                # (stabljax.qk_clip reads it; every other optimizer ignores it)
+                "max_attn_logits": a["max_attn_logits"],
                 "max_residual_rms": jnp.max(a["residual_rms"]),
                 "max_abs_logit": jnp.max(jnp.abs(logits)),
             }

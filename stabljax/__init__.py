@@ -62,6 +62,10 @@ from stabljax.optim.guards import skip_nonfinite as skip_nonfinite
 from stabljax.optim.guards import skip_spikes as skip_spikes
 from stabljax.optim.guards import skip_step as skip_step
 from stabljax.optim.guards import skip_streak as skip_streak
+from stabljax.optim.qk_clip import QKClipState as QKClipState
+from stabljax.optim.qk_clip import QKHeads as QKHeads
+from stabljax.optim.qk_clip import QKLayer as QKLayer
+from stabljax.optim.qk_clip import qk_clip as qk_clip
 from stabljax.precision import DynamicLossScale as DynamicLossScale
 from stabljax.precision import LossScaleState as LossScaleState
 from stabljax.precision import Precision as Precision
@@ -114,6 +118,9 @@ __all__ = (
     "LossScaleState",
     "Precision",
     "Preempted",
+    "QKClipState",
+    "QKHeads",
+    "QKLayer",
     "RollbackController",
     "RunResult",
     "ScaleByAdamAtan2State",
@@ -146,6 +153,7 @@ __all__ = (
     "make_train_step",
     "nnx_apply",
     "nnx_merge",
+    "qk_clip",
     "read_events",
     "recommended_compiler_options",
     "safe_adam",

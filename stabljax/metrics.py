@@ -47,6 +47,13 @@ LOG_Z_MAX = "log_z_max"  # float32: max log Z over the tokens
 
 # Written by the reference Transformer (stabljax.reference.nn) into aux with return_aux=True.
 MAX_ATTN_LOGIT = "max_attn_logit"  # float32: max over layers, heads, causal positions
+# f32[n_layers, n_heads]: the same max per layer and query head; the step passes it to the
+# optimizer as max_logits= (stabljax.qk_clip) and reports MAX_ATTN_LOGIT_LAYERS from it.
+MAX_ATTN_LOGITS = "max_attn_logits"
+# Written by the step from MAX_ATTN_LOGITS: {layer: f32 scalar}, the max over its heads.
+MAX_ATTN_LOGIT_LAYERS = "max_attn_logit_layers"
+# Written with make_train_step(qk_layers=...): {layer: f32 scalar}, max_h |Wq^h||Wk^h|/sqrt(d_h).
+ATTN_LOGIT_PROXY = "attn_logit_proxy"
 # f32[n_layers + 1], what check_init reads: not a scalar, so no detector can watch it.
 RESIDUAL_RMS = "residual_rms"  # RMS of the residual stream at the input and after each block
 
@@ -64,7 +71,9 @@ STEP_KEYS = (
 )
 LM_KEYS = (CE, Z_LOSS, LOG_Z, LOG_Z_MAX)
 MODEL_KEYS = (MAX_ATTN_LOGIT,)
-KNOWN_KEYS = frozenset(STEP_KEYS + LM_KEYS + MODEL_KEYS + (LAYERS,))
+KNOWN_KEYS = frozenset(
+    STEP_KEYS + LM_KEYS + MODEL_KEYS + (LAYERS, MAX_ATTN_LOGIT_LAYERS, ATTN_LOGIT_PROXY)
+)
 
 
 def check_key(owner: str, name: str, key: object, extra: Iterable[str] = ()) -> None:

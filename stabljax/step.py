@@ -23,7 +23,14 @@ Metrics (all ``jax.Array`` scalars):
 - ``overflow`` (bool): float16 loss scaling found non-finite gradients and skipped the
   step (always False without loss scaling); it is not a guard skip;
 - ``loss_scale`` (float32): the scale this step ran at, 1.0 without loss scaling;
-- ``layers`` (with ``layer_metrics=True``): :func:`stabljax.telemetry.layer_metrics`.
+- ``layers`` (with ``layer_metrics=True``): :func:`stabljax.telemetry.layer_metrics`;
+- ``max_attn_logit`` and ``max_attn_logit_layers`` (``{layer: scalar}``), when
+  ``aux["max_attn_logits"]`` holds the per-layer, per-head max attention logits (the
+  reference Transformer's ``return_aux=True``): the max overall and per layer. That
+  entry is not returned itself; it goes to the optimizer as ``max_logits=`` (read by
+  :func:`stabljax.qk_clip`, ignored by everything else);
+- ``attn_logit_proxy`` (``{layer: scalar}``, with ``qk_layers=``): per layer
+  :func:`stabljax.optim.qk_clip.qk_logit_proxy`.
 """
 
 from __future__ import annotations
@@ -43,6 +50,7 @@ from stabljax.losses import LossFn, lm_loss
 from stabljax.nnx_bridge import nnx_apply, nnx_merge
 from stabljax.optim import guards
 from stabljax.optim._base import global_norm_f32, with_extra_args
+from stabljax.optim.qk_clip import QKLayer, check_layers, qk_logit_proxy
 from stabljax.precision import LossScaleState, Precision, all_finite, scale_loss, unscale_grads
 
 __all__ = (
@@ -284,6 +292,7 @@ def make_train_step(
     *,
     precision: Precision = _FP32,
     layer_metrics: bool = False,
+    qk_layers: Mapping[Any, QKLayer] | None = None,
     donate: bool = True,
     compiler_options: Mapping[str, Any] | None = None,
 ) -> Callable[[TrainState, Any], tuple[TrainState, dict[str, Any]]]:
@@ -329,6 +338,11 @@ def make_train_step(
         was created with).
       layer_metrics: also return ``metrics["layers"]``, per-parameter-path norms
         (:func:`stabljax.telemetry.layer_metrics`).
+      qk_layers: the attention layers' query and key heads (the ``layers`` of
+        :func:`stabljax.qk_clip`); with them the step also returns
+        ``metrics["attn_logit_proxy"]``, per layer
+        :math:`\max_h \|W_q^h\|\|W_k^h\|/\sqrt{d_h}` of the params the gradients were
+        taken at.
       donate: donate the input state's buffers to the output (the input state is
         invalid after the call).
       compiler_options: XLA options for ``jax.jit``, e.g.
@@ -373,6 +387,8 @@ def make_train_step(
         raise ValueError(
             f"make_train_step: `precision` must be a stabljax Precision; got {precision!r}."
         )
+    if qk_layers is not None:
+        check_layers(qk_layers, owner="make_train_step", arg="qk_layers")
     tx = with_extra_args(optimizer)
     dls = precision.loss_scale
     accepted = _accepted_kwargs(loss_fn)
@@ -423,6 +439,8 @@ def make_train_step(
         )
         grads = unscale_grads(grads, ls_state)
         new_model_state = aux.pop("model_state", state.model_state)
+        max_logits = aux.pop(metrics.MAX_ATTN_LOGITS, None)
+        extra = {} if max_logits is None else {"max_logits": max_logits}
         if state.model_state is None and new_model_state is not None:
             raise ValueError(
                 "make_train_step: loss_fn returned aux['model_state'], but the state has no "
@@ -437,7 +455,7 @@ def make_train_step(
 
         def apply(_):
             updates, opt_state = tx.update(
-                grads, state.opt_state, state.params, value=loss, loss=loss
+                grads, state.opt_state, state.params, value=loss, loss=loss, **extra
             )
             return optax.apply_updates(state.params, updates), opt_state, updates
 
@@ -475,6 +493,10 @@ def make_train_step(
             metrics.OVERFLOW: overflow,
             metrics.LOSS_SCALE: scale,
         }
+        if max_logits is not None:
+            out |= telemetry.attn_logit_metrics(max_logits)
+        if qk_layers is not None:
+            out[metrics.ATTN_LOGIT_PROXY] = qk_logit_proxy(qk_layers, state.params)
         if layer_metrics:
             out[metrics.LAYERS] = telemetry.layer_metrics(grads, state.params, updates)
         new_state = TrainState(

@@ -12,6 +12,7 @@ so an ``nnx.State`` gives the module path (``"linear/kernel"``).
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Mapping
 from typing import Any
 
@@ -20,45 +21,20 @@ import jax.numpy as jnp
 import numpy as np
 
 from stabljax import metrics
-from stabljax.optim._base import all_finite
+from stabljax.optim._base import all_finite, path_str
 from stabljax.optim._base import global_norm_f32 as global_norm
 
 __all__ = (
     "adam_eps_report",
+    "attn_logit_metrics",
     "global_norm",
     "layer_metrics",
     "layer_metrics_to_host",
     "path_str",
+    "spike_score",
 )
 
 _ADAM_FIELDS = ("mu", "nu", "count")
-
-
-def path_str(path: tuple[Any, ...]) -> str:
-    """Joins a pytree key path with ``/`` (``"dense/w"``, ``"blocks/0"``).
-
-    Example:
-      >>> import jax
-      >>> from stabljax.telemetry import path_str
-      >>> tree = {"dense": {"w": 1.0}, "blocks": [2.0]}
-      >>> [path_str(p) for p, _ in jax.tree_util.tree_flatten_with_path(tree)[0]]
-      ['blocks/0', 'dense/w']
-    """
-    parts = []
-    for k in path:
-        if isinstance(k, jax.tree_util.DictKey):
-            parts.append(str(k.key))
-        elif isinstance(k, jax.tree_util.SequenceKey):
-            parts.append(str(k.idx))
-        elif isinstance(k, jax.tree_util.GetAttrKey):
-            parts.append(k.name)
-        elif isinstance(k, jax.tree_util.FlattenedIndexKey):
-            parts.append(str(k.key))
-        else:  # optax's NamedTupleKey and any other key entry
-            parts.append(str(getattr(k, "name", k)))
-    if path and isinstance(path[-1], jax.tree_util.GetAttrKey) and path[-1].name == "value":
-        parts.pop()  # an nnx.Variable's payload: name the variable, not its field
-    return "/".join(parts)
 
 
 def _ratio(num: jax.Array, den: jax.Array) -> jax.Array:
@@ -108,6 +84,34 @@ def layer_metrics(grads: Any, params: Any, updates: Any) -> dict[str, dict[str, 
     return out
 
 
+def attn_logit_metrics(max_logits: Any) -> dict[str, Any]:
+    """The max attention logit overall and per layer, from per-layer, per-head maxima.
+
+    Args:
+      max_logits: a ``[n_layers, n_heads]`` array (the reference Transformer's
+        ``aux["max_attn_logits"]``) or a ``{layer: [n_heads]}`` mapping.
+
+    Returns:
+      ``{"max_attn_logit": scalar, "max_attn_logit_layers": {str(layer): scalar}}``,
+      float32 device values.
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> from stabljax.telemetry import attn_logit_metrics
+      >>> m = attn_logit_metrics(jnp.array([[1.0, 7.0], [3.0, 2.0]]))
+      >>> print(m["max_attn_logit"], {k: float(v) for k, v in m["max_attn_logit_layers"].items()})
+      7.0 {'0': 7.0, '1': 3.0}
+    """
+    if isinstance(max_logits, Mapping):
+        items = list(max_logits.items())
+    else:
+        arr = jnp.asarray(max_logits)
+        items = [(i, arr[i]) for i in range(arr.shape[0])]
+    layers = {str(k): jnp.max(jnp.asarray(v, jnp.float32)) for k, v in items}
+    overall = functools.reduce(jnp.maximum, layers.values(), jnp.float32(-jnp.inf))
+    return {metrics.MAX_ATTN_LOGIT: overall, metrics.MAX_ATTN_LOGIT_LAYERS: layers}
+
+
 def layer_metrics_to_host(step_metrics: Mapping[str, Any]) -> dict[str, float]:
     """Fetches per-layer metrics to the host as a flat ``{"metric/path": float}`` dict.
 
@@ -137,6 +141,67 @@ def layer_metrics_to_host(step_metrics: Mapping[str, Any]) -> dict[str, float]:
         for path, value in per_path.items():
             out[f"{metric}/{path}" if path else metric] = float(np.asarray(value))
     return out
+
+
+def spike_score(
+    values: Any, *, window: int = 1000, n_sigma: float = 7.0, min_history: int = 100
+) -> float:
+    r"""OLMo 2's spike score: the % of values at least ``n_sigma`` σ from their rolling mean.
+
+    Host-side (numpy, float64). Value :math:`x_t` is a spike when
+    :math:`|x_t - \mu_t| \ge n_\sigma \sigma_t`, with :math:`\mu_t` and :math:`\sigma_t`
+    (population) the mean and standard deviation of the finite values among the
+    ``window`` values before it. A value is scored once ``min_history`` finite values
+    precede it in its window (the first, fast-falling steps of a loss are not spikes);
+    a non-finite value is scored as a spike and never enters a window. Two-sided, as
+    OLMo 2 states it ("at least seven standard deviations away").
+
+    Args:
+      values: a 1-D series, e.g. the loss or the grad norm of every step.
+      window: the rolling window (OLMo 2: 1000).
+      n_sigma: the threshold in standard deviations (OLMo 2: 7).
+      min_history: finite values a window needs before the value after it is scored.
+
+    Returns:
+      The percentage (0-100) of scored values that are spikes; NaN when none is scored.
+
+    Example:
+      >>> import numpy as np
+      >>> from stabljax.telemetry import spike_score
+      >>> x = 3.0 + 0.01 * np.sin(np.arange(400))
+      >>> x[300] = 10.0
+      >>> print(f"{spike_score(x):.3f}")  # 1 of the 300 scored values
+      0.333
+
+    References:
+      Team OLMo, `2 OLMo 2 Furious <https://arxiv.org/abs/2501.00656>`_, 2025
+    """
+    x = np.asarray(values, np.float64).reshape(-1)
+    if window < 1 or min_history < 1 or min_history > window or not n_sigma > 0:
+        raise ValueError(
+            "spike_score: need window >= min_history >= 1 and n_sigma > 0; got "
+            f"window={window}, min_history={min_history}, n_sigma={n_sigma}"
+        )
+    finite = np.isfinite(x)
+    xf = np.where(finite, x, 0.0)
+    c = np.concatenate([[0.0], np.cumsum(finite)])
+    s1 = np.concatenate([[0.0], np.cumsum(xf)])
+    s2 = np.concatenate([[0.0], np.cumsum(xf * xf)])
+    t = np.arange(x.size)
+    lo = np.maximum(t - window, 0)
+    n = c[t] - c[lo]
+    scored = n >= min_history
+    if not scored.any():
+        return float("nan")
+    safe_n = np.where(scored, n, 1.0)
+    mean = (s1[t] - s1[lo]) / safe_n
+    var = np.maximum((s2[t] - s2[lo]) / safe_n - mean * mean, 0.0)
+    dev = np.abs(x - mean)
+    # The float64 rounding of a constant window is not a deviation.
+    tiny = 1e-9 * np.maximum(1.0, np.abs(mean))
+    with np.errstate(invalid="ignore"):
+        spike = np.logical_or(~finite, (dev >= n_sigma * np.sqrt(var)) & (dev > tiny))
+    return float(100.0 * np.sum(spike & scored) / np.sum(scored))
 
 
 def _is_adam_state(x: Any) -> bool:

@@ -27,6 +27,7 @@ FIGURES = {
     "init_schemes": ("init.png",),
     "precision": ("precision.png",),
     "spike_recovery": ("loss.png",),
+    "qk_clip": ("max_logit.png", "loss_vs_lr.png"),
 }
 SUMMARY_KEYS = {"instability_reproduced", "failure_metric", "remedies", "seeds", "sizes", "note"}
 REMEDY_KEYS = {"metric", "effect_mean", "ci95", "mechanism_moved", "mechanism", "claim_met"}
@@ -53,12 +54,14 @@ def _run(name, tmp_path, *extra, script=False):
     )
     assert payload["wall_s"] > 0 and payload["config"]
     s = payload["summary"]
-    assert set(s) == SUMMARY_KEYS and s["seeds"] == len(payload["config"]["seeds"])
+    # Issue 29's statistics add keys (primary metric, Holm-adjusted p) to the issue-17 schema.
+    assert SUMMARY_KEYS <= set(s) and s["seeds"] == len(payload["config"]["seeds"])
     for r in s["remedies"].values():
-        assert set(r) == REMEDY_KEYS
+        assert REMEDY_KEYS <= set(r)
         lo, hi = r["ci95"]
-        assert lo <= r["effect_mean"] <= hi
-        assert r["claim_met"] == (hi < 0 and r["mechanism_moved"])
+        assert lo <= r["effect_mean"] <= hi or not math.isfinite(lo)
+        holm_ok = r.get("p_holm", 0.0) < 0.05
+        assert r["claim_met"] == (hi < 0 and r["mechanism_moved"] and holm_ok)
     return payload["results"], payload["config"], s
 
 
@@ -155,6 +158,32 @@ def test_spike_recovery(tmp_path):
             t["verdict"] in ("data", "state", "nondeterministic", "inconclusive")
             for t in r["triage"]
         )
+
+
+def test_qk_clip(tmp_path):
+    res, cfg, s = _run("qk_clip", tmp_path)
+    n = len(cfg["arms"]) * len(cfg["seeds"]) * sum(len(cfg[f"{o}_lrs"]) for o in cfg["optimizers"])
+    assert len(res["rows"]) == n and res["primary_metric"] == "final_loss"
+    assert s["primary_metric"] and set(s["lr_grid"]) == set(cfg["optimizers"])
+    for r in s["remedies"].values():
+        assert 0 < r["p_sign_flip"] <= r["p_holm"] <= 1
+    for r in res["rows"]:
+        if r["arm"] != "qk_clip":
+            assert r["clipped_head_steps"] == 0
+        assert r["skipped_steps"] == 0 and math.isfinite(r["init_loss"])
+
+    # QK-Clip holds the logits where the unclipped AdamW run at the top LR passes tau.
+    def late(arm):
+        return np.mean(
+            [
+                r["late_max_attn_logit"]
+                for r in res["rows"]
+                if (r["optimizer"], r["arm"], r["lr"]) == ("adamw", arm, max(cfg["adamw_lrs"]))
+            ]
+        )
+
+    assert late("none") > cfg["tau"] and late("qk_clip") < late("none")
+    assert any(r["clipped_head_steps"] > 0 for r in res["rows"] if r["arm"] == "qk_clip")
 
 
 def test_bootstrap_ci_hand_computed():
@@ -272,3 +301,53 @@ def test_readme_table_matches_results():
 def test_no_experiment_module_over_400_lines():
     for p in (ROOT / "experiments").glob("*.py"):
         assert len(p.read_text().splitlines()) <= 400, p
+
+
+# --------------------------------------------------------------------------- issue 29's statistics
+
+
+@pytest.mark.parametrize(
+    "df, q975",  # Student's t table (e.g. NIST/SEMATECH e-Handbook, Table 1.3.6.7.2)
+    [(1, 12.706205), (2, 4.302653), (4, 2.776445), (9, 2.262157), (29, 2.045230), (100, 1.983972)],
+)
+def test_t_quantile_matches_the_table(df, q975):
+    assert stats.t_quantile(0.975, df) == pytest.approx(q975, abs=2e-6)
+    assert stats.t_quantile(0.025, df) == pytest.approx(-q975, abs=2e-6)
+    assert stats.t_cdf(stats.t_quantile(0.9, df), df) == pytest.approx(0.9, abs=1e-10)
+
+
+def test_t_interval_hand_computed():
+    # mean 2, n 4, df 3: 2 ± 3.182446 · sd / 2
+    lo, hi = stats.t_interval([1.0, 2.0, 2.0, 3.0])
+    sd = np.std([1.0, 2.0, 2.0, 3.0], ddof=1)
+    half = 3.182446 * sd / 2
+    assert (lo, hi) == (pytest.approx(2 - half, abs=1e-5), pytest.approx(2 + half, abs=1e-5))
+    assert all(math.isnan(v) for v in stats.t_interval([1.0]))
+    assert all(math.isnan(v) for v in stats.t_interval([1.0, float("inf")]))
+
+
+def test_sign_flip_p_is_exact():
+    assert stats.sign_flip_p([1.0, 2.0, 3.0]) == 2 / 8  # only all-+ and all-− reach |6|
+    assert stats.sign_flip_p([1.0, -1.0]) == 1.0
+    assert stats.sign_flip_p([-0.5] * 10) == 2 / 1024  # the floor with ten seeds
+    # [3, 1, 1]: |sums| are 5, 3, 3, 1, 1, 3, 3, 5 -> two of eight reach 5
+    assert stats.sign_flip_p([3.0, 1.0, 1.0]) == 2 / 8
+    assert stats.sign_flip_p([3.0, 1.0, -1.0]) == 6 / 8  # |sums| 3, 5, 1, 3 (twice): six >= 3
+    assert math.isnan(stats.sign_flip_p([1.0, float("nan")]))
+    with pytest.raises(ValueError):
+        stats.sign_flip_p(np.ones(21))
+
+
+def test_holm_hand_computed():
+    assert stats.holm([0.01, 0.04, 0.03]) == pytest.approx([0.03, 0.06, 0.06])
+    assert stats.holm([0.5, 0.001]) == pytest.approx([0.5, 0.002])
+    adj = stats.holm([0.02, float("nan"), 0.4])  # NaN counts in m
+    assert adj[0] == pytest.approx(0.06) and math.isnan(adj[1]) and adj[2] == pytest.approx(0.8)
+
+
+def test_paired_effect_with_a_t_interval():
+    e = stats.paired_effect([1.0, 2.0, 3.0], [2.0, 3.0, 4.5], "loss", interval="t")
+    assert e["effect_mean"] == pytest.approx(-7 / 6) and e["interval"] == "paired t"
+    assert e["p_sign_flip"] == 0.25 and e["ci95"][1] < 0
+    with pytest.raises(ValueError, match="interval"):
+        stats.paired_effect([1.0], [1.0], "loss", interval="bca")

@@ -53,7 +53,7 @@ def assert_bitwise_equal(a, b):
 
 
 def test_every_recipe_is_tested():
-    assert set(recipes()) == {"linen", "nnx_optimizer", "combinators", "batchnorm"}
+    assert set(recipes()) == {"linen", "nnx_optimizer", "combinators", "batchnorm", "qk_clip"}
 
 
 def test_linen_train_state_recipe(capsys):
@@ -165,3 +165,15 @@ def test_batchnorm_recipe_survives_a_nan_batch(capsys):
 def test_recipe_has_its_imports(name):
     # Verbatim means self-contained: each block imports what it uses.
     assert "import stabljax" in recipes()[name]
+
+
+def test_qk_clip_recipe(capsys):
+    scope = run("qk_clip")
+    out = capsys.readouterr().out
+    assert out.startswith("max logit ")
+    m, tau = scope["metrics"], scope["tau"]
+    assert set(m["max_attn_logit_layers"]) == {"attn"} and set(m["attn_logit_proxy"]) == {"attn"}
+    # Held near tau (one update above it at most here); without qk_clip it passes 1000.
+    assert float(m["max_attn_logit"]) < 2 * tau
+    assert float(m["loss"]) < 1.0
+    assert int(optax.tree.get(scope["state"].opt_state, "qk_clipped_heads")) >= 1

@@ -186,3 +186,23 @@ def test_a_headless_chromium_screenshot_of_the_report(run_dir, tmp_path):
     assert (width, height) == (980, 2500) and len(data) > 50_000  # not a blank page
     if os.environ.get("STABLJAX_REPORT_PNG"):
         shutil.copy(png, ROOT / os.environ["STABLJAX_REPORT_PNG"])
+
+
+def test_the_summary_shows_the_spike_score_of_the_final_trajectory(run_dir, tmp_path):
+    from stabljax.telemetry import spike_score
+
+    d, _ = run_dir
+    page = write_report(d, tmp_path).read_text()
+    run = load_run(d)
+    losses = [float(r["loss"]) for r in run.kept.values()]
+    label = "spike score, loss (% ≥ 7σ from the mean of the last 1000)"
+    assert len(losses) == 60 and _cell(page, label).startswith("n/a (60 steps")
+    long = Run(
+        d, run.events, run.ledger, [{"step": i, "loss": 2.0, "grad_norm": 1.0} for i in range(300)]
+    )
+    long.rows[250]["loss"] = 50.0
+    s = summary(long)
+    assert s[label] == f"{spike_score([r['loss'] for r in long.rows]):.3f} %" == "0.500 %"
+    assert s["spike score, grad norm (% ≥ 7σ from the mean of the last 1000)"] == "0.000 %"
+    empty = Run(d, run.events, run.ledger, [])
+    assert summary(empty)[label] == "n/a (no metrics.jsonl)"

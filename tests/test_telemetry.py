@@ -10,6 +10,7 @@ import pytest
 from flax import nnx
 from helpers import nested_params, random_grads_like
 
+from stabljax import telemetry
 from stabljax.optim.adam import ScaleBySafeAdamState, safe_adamw
 from stabljax.optim.guards import skip_nonfinite
 from stabljax.telemetry import (
@@ -211,3 +212,46 @@ def test_report_on_multi_transform_merges_disjoint_paths():
 def test_report_bad_b2_raises():
     with pytest.raises(ValueError, match="b2"):
         adam_eps_report(optax.adam(1e-3).init(jnp.zeros(2)), 1e-8, b2=1.0)
+
+
+# --------------------------------------------------------------------------- spike score
+
+
+def loop_spike_score(x, window=1000, n_sigma=7.0, min_history=100):
+    """The definition, value by value, in float64."""
+    spikes = scored = 0
+    for t in range(len(x)):
+        past = [v for v in x[max(0, t - window) : t] if np.isfinite(v)]
+        if len(past) < min_history:
+            continue
+        scored += 1
+        mu, sd = np.mean(past), np.std(past)
+        dev = abs(x[t] - mu)
+        spikes += (not np.isfinite(x[t])) or (dev >= n_sigma * sd and dev > 1e-9 * max(1, abs(mu)))
+    return 100.0 * spikes / scored if scored else float("nan")
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_spike_score_matches_the_loop_definition(seed):
+    rng = np.random.default_rng(seed)
+    n = 1500
+    x = 3.0 - np.log1p(np.arange(n)) * 0.1 + 0.02 * rng.standard_normal(n)
+    idx = rng.choice(np.arange(150, n), 12, replace=False)
+    x[idx] += rng.uniform(0.05, 2.0, 12)  # some pass 7 sigma, some do not
+    x[idx[:2]] = [np.nan, np.inf]
+    got = telemetry.spike_score(x)
+    want = loop_spike_score(x)
+    assert 0 < want < 2
+    np.testing.assert_allclose(got, want, rtol=1e-12)
+    small = telemetry.spike_score(x, window=50, min_history=20, n_sigma=3.0)
+    np.testing.assert_allclose(small, loop_spike_score(x, 50, 3.0, 20), rtol=1e-12)
+
+
+def test_spike_score_edge_cases():
+    assert telemetry.spike_score(np.full(300, 2.5)) == 0.0  # constant: no spikes
+    assert np.isnan(telemetry.spike_score(np.ones(50)))  # nothing scored yet
+    x = np.ones(200)
+    x[150] = 1.0 + 1e-6  # any deviation of a constant window is infinitely many sigma
+    np.testing.assert_allclose(telemetry.spike_score(x), 100.0 / 100)
+    with pytest.raises(ValueError, match="min_history"):
+        telemetry.spike_score(x, window=10, min_history=20)

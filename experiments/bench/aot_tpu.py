@@ -153,7 +153,8 @@ def where_guard(inner: optax.GradientTransformation) -> optax.GradientTransforma
 
 
 @functools.cache
-def _model_shapes(d_model: int, n_layers: int, n_heads: int, vocab: int, seq_len: int):
+def abstract_model(d_model: int, n_layers: int, n_heads: int, vocab: int, seq_len: int):
+    """The reference Transformer of one benchmark size, abstract (``nnx.eval_shape``)."""
     from flax import nnx
 
     import stabljax
@@ -167,8 +168,13 @@ def _model_shapes(d_model: int, n_layers: int, n_heads: int, vocab: int, seq_len
         dtype=jnp.bfloat16,  # activations; the step casts params to bf16 (Precision.bf16)
         remat=True,  # as MaxText trains at these sizes; without it 185M needs 18 GiB a chip
     )
-    model = nnx.eval_shape(lambda: stabljax.TransformerLM(cfg, rngs=nnx.Rngs(0)))
-    return stabljax.nnx_apply(model)
+    return nnx.eval_shape(lambda: stabljax.TransformerLM(cfg, rngs=nnx.Rngs(0)))
+
+
+def _model_shapes(d_model: int, n_layers: int, n_heads: int, vocab: int, seq_len: int):
+    import stabljax
+
+    return stabljax.nnx_apply(abstract_model(d_model, n_layers, n_heads, vocab, seq_len))
 
 
 def train_step_costs(

@@ -15,7 +15,8 @@ the steps are instead compiled ahead of time for XLA:TPU at two sizes, in bf16 c
 with float32 master weights: ~185M parameters (d_model 1024, 12 layers, vocab 32000, seq
 1024, batch 64) data parallel over every chip, and ~1B (d_model 2048, 18 layers) FSDP
 over every chip. ``plain`` is the hand-written step above in bf16; ``guarded`` is
-``make_train_step`` with z-loss, the guarded optimizer and ``Precision.bf16()``. The
+``make_train_step`` with z-loss, the guarded optimizer and ``Precision.bf16()``;
+``guarded+qk_clip`` adds :func:`stabljax.qk_clip` (issue 30: ≤ 1 % more bytes at 185M). The
 compiler's bytes accessed and per-device memory are reported, and whether the step fits
 in the chip's HBM.
 
@@ -58,6 +59,7 @@ TPU_SIZES = {
 TPU_TARGETS = {
     **{f"tpu bytes_guarded/plain ({k})": 1.03 for k in ("185M-data", "1B-fsdp")},
     **{f"tpu temp_guarded-plain / plain ({k})": 0.02 for k in ("185M-data", "1B-fsdp")},
+    "tpu bytes_guarded+qk_clip/guarded (185M-data)": 1.01,
 }
 
 
@@ -111,14 +113,17 @@ def _plain_step(apply_fn, opt, compiler_options=None):
     return step
 
 
-def _guarded_opt(lr: float) -> optax.GradientTransformation:
-    return stabljax.skip_nonfinite(
-        stabljax.skip_spikes(optax.chain(stabljax.clip_by_zscore(), stabljax.safe_adamw(lr)))
-    )
+def _guarded_opt(lr: float, qk_layers=None) -> optax.GradientTransformation:
+    parts = [stabljax.clip_by_zscore(), stabljax.safe_adamw(lr)]
+    if qk_layers is not None:
+        parts.append(stabljax.qk_clip(qk_layers))
+    return stabljax.skip_nonfinite(stabljax.skip_spikes(optax.chain(*parts)))
 
 
-def _tpu_steps(cfg: Config) -> dict:
-    """The two steps compiled for XLA:TPU: ``plain`` (bf16 compute) and ``guarded``."""
+def _tpu_steps(cfg: Config, arch: dict) -> dict:
+    """The steps compiled for XLA:TPU: ``plain`` (bf16 compute), ``guarded`` and
+    ``guarded+qk_clip`` (``guarded`` with :func:`stabljax.qk_clip` last in the guarded
+    chain, fed the reference model's per-head max logits through ``aux``)."""
     precision = stabljax.Precision.bf16()
 
     def plain(apply_fn):
@@ -141,11 +146,24 @@ def _tpu_steps(cfg: Config) -> dict:
 
         return step, args
 
-    def guarded(apply_fn):
+    def guarded(apply_fn, qk_clip=False):
         opt = _guarded_opt(cfg.lr)
-        step = stabljax.make_train_step(
-            stabljax.lm_loss(apply_fn, z_loss_weight=cfg.z_loss), opt, precision=precision
-        )
+        loss_fn = stabljax.lm_loss(apply_fn, z_loss_weight=cfg.z_loss)
+        if qk_clip:
+            model = aot_tpu.abstract_model(
+                arch["d_model"], arch["n_layers"], arch["n_heads"], cfg.tpu_vocab, cfg.tpu_seq_len
+            )
+            aux_apply = stabljax.nnx_apply(model, return_aux=True)[0]
+            opt = _guarded_opt(cfg.lr, qk_layers=model.qk_layers())
+
+            def loss_fn(params, batch):
+                logits, a = aux_apply(params, batch["inputs"])
+                loss, aux = stabljax.cross_entropy_with_z_loss(
+                    logits, batch["targets"], z_loss_weight=cfg.z_loss
+                )
+                return loss, {**aux, "max_attn_logits": a["max_attn_logits"]}
+
+        step = stabljax.make_train_step(loss_fn, opt, precision=precision)
 
         def args(params, rule, batch):
             mesh = batch["inputs"].sharding.mesh
@@ -159,7 +177,11 @@ def _tpu_steps(cfg: Config) -> dict:
 
         return step, args
 
-    return {"plain": plain, "guarded": guarded}
+    return {
+        "plain": plain,
+        "guarded": guarded,
+        "guarded+qk_clip": functools.partial(guarded, qk_clip=True),
+    }
 
 
 def run_aot_tpu(cfg: Config) -> tuple[list[dict], dict]:
@@ -172,7 +194,7 @@ def run_aot_tpu(cfg: Config) -> tuple[list[dict], dict]:
         arch = TPU_SIZES[size]
         res = aot_tpu.train_step_costs(
             cfg.aot_tpu,
-            _tpu_steps(cfg),
+            _tpu_steps(cfg, arch),
             vocab=cfg.tpu_vocab,
             seq_len=cfg.tpu_seq_len,
             batch_size=cfg.tpu_batch_size,
@@ -200,6 +222,8 @@ def run_aot_tpu(cfg: Config) -> tuple[list[dict], dict]:
         ratios[f"tpu temp_guarded-plain / plain ({size})"] = (
             extra / plain["temp"] if plain["temp"] else (float("inf") if extra > 0 else 0.0)
         )
+        qk = res["per_step"]["guarded+qk_clip"]
+        ratios[f"tpu bytes_guarded+qk_clip/guarded ({size})"] = qk["bytes"] / guarded["bytes"]
     return rows, {
         "per_size": per_size,
         "ratios": ratios,

@@ -58,6 +58,33 @@ def global_norm_f32(tree: Any, axis_name: AxisName | None = None) -> jax.Array:
     return jnp.sqrt(total)
 
 
+def path_str(path: tuple[Any, ...]) -> str:
+    """Joins a pytree key path with ``/`` (``"dense/w"``, ``"blocks/0"``).
+
+    Example:
+      >>> import jax
+      >>> from stabljax.optim._base import path_str
+      >>> tree = {"dense": {"w": 1.0}, "blocks": [2.0]}
+      >>> [path_str(p) for p, _ in jax.tree_util.tree_flatten_with_path(tree)[0]]
+      ['blocks/0', 'dense/w']
+    """
+    parts = []
+    for k in path:
+        if isinstance(k, jax.tree_util.DictKey):
+            parts.append(str(k.key))
+        elif isinstance(k, jax.tree_util.SequenceKey):
+            parts.append(str(k.idx))
+        elif isinstance(k, jax.tree_util.GetAttrKey):
+            parts.append(k.name)
+        elif isinstance(k, jax.tree_util.FlattenedIndexKey):
+            parts.append(str(k.key))
+        else:  # optax's NamedTupleKey and any other key entry
+            parts.append(str(getattr(k, "name", k)))
+    if path and isinstance(path[-1], jax.tree_util.GetAttrKey) and path[-1].name == "value":
+        parts.pop()  # an nnx.Variable's payload: name the variable, not its field
+    return "/".join(parts)
+
+
 def all_finite(tree: Any) -> jax.Array:
     """Whether every element of every inexact leaf of ``tree`` is finite (True when empty).
 

@@ -50,9 +50,36 @@ def _is_integral(a: np.ndarray) -> bool:
     return bool(a.ndim == 0 and a >= 0 and a == np.floor(a))
 
 
-def _rescale(tree, scale: jax.Array):
-    """Multiplies every leaf by ``scale``, keeping its dtype (None leaves kept)."""
-    return jax.tree.map(lambda t: t * scale.astype(t.dtype), tree)
+def _rescale(tree, scale: jax.Array, mask: Any = None):
+    """Multiplies every leaf (every leaf ``mask`` selects) by ``scale``, keeping its dtype."""
+    if mask is None:
+        return jax.tree.map(lambda t: t * scale.astype(t.dtype), tree)
+    return jax.tree.map(lambda t, m: t * scale.astype(t.dtype) if m else t, tree, mask)
+
+
+def _check_mask(owner: str, mask: Any) -> None:
+    if mask is not None and not callable(mask):
+        bad = [m for m in jax.tree.leaves(mask) if not isinstance(m, bool | np.bool_)]
+        if bad or not jax.tree.leaves(mask):
+            raise ValueError(
+                f"{owner}: `mask` must be None, a pytree of Python bools like the params, or "
+                f"a callable params -> such a pytree; got {mask!r}."
+            )
+
+
+def _resolve_mask(mask: Any, updates: Any) -> Any:
+    """The bool tree of ``mask`` for ``updates`` (``None``: every leaf)."""
+    if mask is None:
+        return None
+    tree = mask(updates) if callable(mask) else mask
+    return jax.tree.map(lambda _, m: bool(m), updates, tree)
+
+
+def _selected_norm(updates: Any, mask: Any) -> jax.Array:
+    """The float32 global norm of the leaves ``mask`` selects (all for ``None``)."""
+    if mask is None:
+        return global_norm_f32(updates)
+    return global_norm_f32(jax.tree.map(lambda t, m: t if m else None, updates, mask))
 
 
 # --------------------------------------------------------------------------- ZClip
@@ -79,6 +106,8 @@ def clip_by_zscore(
     ema_decay: float = 0.97,
     warmup_steps: int = 25,
     max_norm: float | None = None,
+    *,
+    mask: Any = None,
 ) -> optax.GradientTransformation:
     r"""Clips the global gradient norm when its z-score is an outlier (ZClip).
 
@@ -122,6 +151,12 @@ def clip_by_zscore(
         array of any dtype).
       max_norm: optional absolute cap on the global norm, applied at every
         step (warmup included), > 0; ``None`` for no cap.
+      mask: which leaves the rule sees and rescales: ``None`` for all, a pytree of
+        Python bools with the structure of the params, or a callable
+        ``params -> such a pytree`` (as :func:`optax.masked`). The global norm is
+        taken over the selected leaves only and the others pass unchanged: leave
+        out the orthogonalized groups of Muon (:func:`optax.contrib.muon`), whose
+        update is scale-invariant (README, "Clipping with Muon").
 
     Returns:
       A :class:`optax.GradientTransformation` whose state is a
@@ -158,6 +193,7 @@ def clip_by_zscore(
     validate(owner, "warmup_steps", warmup_steps, integer, "a non-negative integer")
     if max_norm is not None:
         validate(owner, "max_norm", max_norm, lambda v: v > 0, "> 0 or None")
+    _check_mask(owner, mask)
 
     def init_fn(params):
         del params
@@ -179,7 +215,8 @@ def clip_by_zscore(
         warmup = jnp.maximum(jnp.asarray(warmup_steps, jnp.int32), 1)
         count, mean, var = state.zclip_count, state.zclip_mean, state.zclip_var
 
-        g = global_norm_f32(updates)
+        selected = _resolve_mask(mask, updates)
+        g = _selected_norm(updates, selected)
         finite = jnp.isfinite(g)
         in_warmup = count < warmup
 
@@ -215,7 +252,7 @@ def clip_by_zscore(
             zclip_threshold=jnp.where(rescale, bound, jnp.inf),
             zclip_clipped=jnp.logical_and(finite, spike),
         )
-        return _rescale(updates, scale), new_state
+        return _rescale(updates, scale, selected), new_state
 
     return optax.GradientTransformation(init_fn, update_fn)
 
@@ -249,7 +286,7 @@ def _percentile_linear(buf: jax.Array, n: jax.Array, q: jax.Array) -> jax.Array:
 
 
 def clip_by_percentile(
-    percentile: float = 10.0, history: int = 1000
+    percentile: float = 10.0, history: int = 1000, *, mask: Any = None
 ) -> optax.GradientTransformation:
     r"""Clips the global gradient norm to a percentile of the recent norms (AutoClip).
 
@@ -272,6 +309,7 @@ def clip_by_percentile(
       history: size of the ring buffer of past norms, >= 1. It fixes an array
         shape, so it must be a static Python int (with
         :func:`optax.inject_hyperparams` list it in ``static_args``).
+      mask: which leaves the rule sees and rescales, as in :func:`clip_by_zscore`.
 
     Returns:
       A :class:`optax.GradientTransformation` whose state is a
@@ -309,6 +347,7 @@ def clip_by_percentile(
             "With optax.inject_hyperparams pass static_args=('history',)."
         ) from e
     validate("clip_by_percentile", "history", history, lambda v: v >= 1, ">= 1")
+    _check_mask("clip_by_percentile", mask)
 
     def init_fn(params):
         del params
@@ -322,7 +361,8 @@ def clip_by_percentile(
     def update_fn(updates, state, params=None):
         del params
         q = jnp.asarray(percentile, _F32)
-        g = global_norm_f32(updates)
+        selected = _resolve_mask(mask, updates)
+        g = _selected_norm(updates, selected)
         finite = jnp.isfinite(g)
         count = state.pclip_count
         slot = count % history
@@ -334,7 +374,7 @@ def clip_by_percentile(
         new_state = ClipByPercentileState(
             pclip_history=hist, pclip_count=count, pclip_norm=g, pclip_threshold=threshold
         )
-        return _rescale(updates, scale), new_state
+        return _rescale(updates, scale, selected), new_state
 
     return optax.GradientTransformation(init_fn, update_fn)
 

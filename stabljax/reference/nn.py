@@ -17,6 +17,8 @@ drawn slice by slice into the fused kernel). Biases start at 0, norm scales at 1
 - ``aux["max_attn_logit"]``: f32 scalar, the max over layers, heads and causal positions
   of the raw pre-softmax logit q·k/√d_head (before any soft-cap, which would hide its
   growth), the quantity Wortsman et al. watch;
+- ``aux["max_attn_logits"]``: f32[n_layers, n_heads], the same max per layer and head,
+  what :func:`stabljax.qk_clip` reads (``make_train_step`` passes it as ``max_logits=``);
 - ``aux["residual_rms"]``: f32[n_layers + 1], the RMS of the residual stream at the input
   of the first block and after each block.
 
@@ -36,7 +38,8 @@ import jax.numpy as jnp
 from flax import nnx
 
 from stabljax.init import ArchSpec, InitPlan, init_plan
-from stabljax.metrics import MAX_ATTN_LOGIT, RESIDUAL_RMS
+from stabljax.metrics import MAX_ATTN_LOGIT, MAX_ATTN_LOGITS, RESIDUAL_RMS
+from stabljax.optim.qk_clip import QKHeads, QKLayer
 
 __all__ = ("TransformerConfig", "TransformerLM")
 
@@ -174,7 +177,7 @@ class Attention(nnx.Module):
         scores = jnp.einsum("bthd,bshd->bhts", q, k, preferred_element_type=jnp.float32)
         scores = scores * (1.0 / math.sqrt(self.head_dim))
         causal = jnp.tril(jnp.ones((t, t), jnp.bool_))
-        max_logit = jnp.max(jnp.where(causal, scores, -jnp.inf))
+        max_logit = jnp.max(jnp.where(causal, scores, -jnp.inf), axis=(0, 2, 3))  # per head
         if self.softcap is not None:
             scores = self.softcap * jnp.tanh(scores / self.softcap)
         scores = jnp.where(causal, scores, jnp.finfo(jnp.float32).min)
@@ -321,7 +324,11 @@ class TransformerLM(nnx.Module):
         logits = logits.astype(jnp.float32)
         if not return_aux:
             return logits
-        return logits, {MAX_ATTN_LOGIT: jnp.max(max_logits), RESIDUAL_RMS: rms}
+        return logits, {
+            MAX_ATTN_LOGIT: jnp.max(max_logits),
+            MAX_ATTN_LOGITS: max_logits,
+            RESIDUAL_RMS: rms,
+        }
 
     def _run_blocks(self, h: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
         rms0 = _rms(h)[None]
@@ -332,6 +339,33 @@ class TransformerLM(nnx.Module):
             rms.append(_rms(h))
             max_logits.append(max_logit)
         return h, jnp.concatenate([rms0, jnp.stack(rms)]), jnp.stack(max_logits)
+
+    def qk_layers(self) -> dict[int, QKLayer]:
+        """The query and key heads of every layer, for :func:`stabljax.qk_clip`.
+
+        ``{layer: QKLayer(q, k)}`` over the fused qkv kernel (q the first ``d_model``
+        columns, k the next, ``n_heads`` heads of ``d_model // n_heads`` each; and the
+        fused bias with ``use_bias``), keyed like the rows of ``aux["max_attn_logits"]``.
+
+        Raises:
+          ValueError: with ``qk_norm``, where rescaling W_q and W_k does not change the
+            logits.
+        """
+        cfg = self.config
+        if cfg.qk_norm:
+            raise ValueError(
+                "qk_layers: with qk_norm=True the logits do not depend on the scale of W_q "
+                "and W_k, so qk_clip cannot act on them"
+            )
+        d, h = cfg.d_model, cfg.n_heads
+        names = ("kernel", "bias") if cfg.use_bias else ("kernel",)
+        out = {}
+        for layer in range(cfg.n_layers):
+            path = f"blocks/{layer}/attn/qkv/"
+            q = tuple(QKHeads(path + n, h, axis=-1, offset=0, head_width=d // h) for n in names)
+            k = tuple(QKHeads(path + n, h, axis=-1, offset=d, head_width=d // h) for n in names)
+            out[layer] = QKLayer(q=q, k=k)
+        return out
 
     def param_groups(self) -> dict[str, jax.Array]:
         """Every planned weight by its plan key (``embed``, ``blocks.<l>.attn_q``, ...).

@@ -23,6 +23,7 @@ from typing import Any
 from stabljax import metrics as keys
 from stabljax.control.events import SCHEMA_VERSION, Event, read_events
 from stabljax.report import svg
+from stabljax.telemetry import spike_score
 
 VERDICT_COLORS = {
     "data": "#e8710a",
@@ -164,7 +165,25 @@ def summary(run: Run) -> dict[str, Any]:
             str(e.details.get("reason", "")).startswith("resume") for e in run.of("restore")
         ),
         "diverged": "yes" if run.of("diverged") else "no",
+        **spike_scores(run),
     }
+
+
+def spike_scores(run: Run) -> dict[str, str]:
+    """OLMo 2's spike score (:func:`stabljax.telemetry.spike_score`) of the loss and the
+    grad norm over the final trajectory (metrics.jsonl's kept rows), as table cells."""
+    out = {}
+    for key, label in ((keys.LOSS, "loss"), (keys.GRAD_NORM, "grad norm")):
+        values = [_number(r.get(key)) for r in run.kept.values() if key in r]
+        score = spike_score([math.nan if v is None else v for v in values]) if values else None
+        if score is None:
+            cell = "n/a (no metrics.jsonl)"
+        elif math.isnan(score):
+            cell = f"n/a ({len(values)} steps; a value is scored after 100)"
+        else:
+            cell = f"{score:.3f} %"
+        out[f"spike score, {label} (% ≥ 7σ from the mean of the last 1000)"] = cell
+    return out
 
 
 def steps_lost(run: Run) -> int:

@@ -1,0 +1,387 @@
+"""QK-Clip against attention-logit growth under Muon and AdamW at rising learning rates.
+
+An LR sweep per optimizer and arm on the proxy: ``muon`` (:func:`optax.contrib.muon`,
+Newton-Schulz on every hidden 2-D kernel, AdamW on the embeddings and norms, update RMS
+matched to AdamW's with ``consistent_rms=0.2`` as in Moonlight and Kimi K2, so that one
+LR serves both) and ``adamw`` (the proxy's AdamW), each with the arms ``none`` (no
+attention-logit control), ``qk_clip`` (:func:`stabljax.qk_clip` last in the chain, inside
+``skip_nonfinite``, with the per-head max logits the reference model reports) and
+``qk_norm`` (qk-layernorm, Wortsman et al.'s remedy). Global-norm clipping at 1.0 on the
+gradients (before the optimizer) in every arm.
+
+τ: Kimi K2's τ = 100 is for logits a 1T model reaches; this d32 proxy's logits start
+near 1, so τ is a config field (default 20) set below the logits its no-control runs reach
+at the top LRs. The primary metric, fixed here before any run (``PRIMARY``): the final
+held-out loss, paired per seed (remedy − none), per optimizer and per LR (not pooled);
+95 % paired t-intervals, exact sign-flip p-values, Holm's correction over the whole
+family (optimizers × remedies × LRs). The mechanism is the max attention logit over the
+last quarter of the run, which QK-Clip bounds by construction (it is reported, not
+claimed).
+
+    python -m experiments.qk_clip [--quick] [--muon-lrs 0.01 0.1 1] [--seeds 0 1 2] [--tau 20]
+
+References:
+  Kimi Team, `Kimi K2: Open Agentic Intelligence <https://arxiv.org/abs/2507.20534>`_, 2025
+  Wortsman et al., `Small-scale proxies for large-scale Transformer training instabilities
+  <https://arxiv.org/abs/2309.14322>`_, 2023
+  Jordan et al., `Muon: An optimizer for hidden layers in neural networks
+  <https://kellerjordan.github.io/posts/muon/>`_, 2024
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import pathlib
+import sys
+
+if __package__ in (None, ""):
+    sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
+
+import jax
+import numpy as np
+import optax
+
+import stabljax
+from experiments import cli, common, plots, proxy, stats
+from experiments.trainer import Trainer
+
+#: The primary metric, declared before the run: lower is better.
+PRIMARY = "final_loss"
+PRIMARY_TEXT = "final held-out loss (nats/byte), remedy − none, per optimizer and LR"
+OPTIMIZERS = ("muon", "adamw")
+ARMS = ("none", "qk_clip", "qk_norm")
+COLORS = {"none": "tab:red", "qk_clip": "tab:blue", "qk_norm": "tab:green"}
+
+
+@dataclasses.dataclass(frozen=True)
+class Config(proxy.SweepConfig):
+    steps: int = 150
+    seeds: tuple[int, ...] = tuple(range(10))
+    muon_lrs: tuple[float, ...] = (0.01, 0.03, 0.1, 0.3, 1.0)
+    adamw_lrs: tuple[float, ...] = (0.003, 0.01, 0.03, 0.1, 0.3)
+    optimizers: tuple[str, ...] = OPTIMIZERS
+    arms: tuple[str, ...] = ARMS
+    tau: float = 20.0
+    clip: float = 1.0
+
+    @classmethod
+    def quick(cls):
+        q = dataclasses.asdict(proxy.SweepConfig.quick())
+        return cls(
+            **{**q, "steps": 8, "seeds": (0, 1)},
+            muon_lrs=(0.03, 0.3),
+            adamw_lrs=(0.01, 0.1),
+            tau=2.0,
+        )
+
+    def lrs(self, opt: str) -> tuple[float, ...]:
+        """The LR grid of optimizer ``opt``."""
+        return {"muon": self.muon_lrs, "adamw": self.adamw_lrs}[opt]
+
+
+def hidden_kernels(params):
+    """Muon's leaves: the 2-D kernels of the blocks (not the embeddings, not the norms)."""
+    dims = optax.contrib.MuonDimensionNumbers(reduction_axis=0, output_axis=1)
+
+    def label(path, x):
+        name = stabljax.telemetry.path_str(path)
+        return dims if x.ndim == 2 and name.startswith("blocks/") else None
+
+    return jax.tree_util.tree_map_with_path(label, params)
+
+
+def factory(opt: str, arm: str, s: proxy.Setup, cfg: Config):
+    unit = proxy.unit_schedule(s)
+    layers = proxy.build_model(s)[0].qk_layers() if arm == "qk_clip" else None
+
+    def make(learning_rate):
+        lr = lambda c: learning_rate * unit(c)  # noqa: E731
+        if opt == "muon":
+            base = optax.contrib.muon(
+                lr,
+                weight_decay=s.weight_decay,
+                adam_b1=s.b1,
+                adam_b2=s.b2,
+                adam_weight_decay=s.weight_decay,
+                consistent_rms=0.2,
+                muon_weight_dimension_numbers=hidden_kernels,
+            )
+        elif opt == "adamw":
+            base = optax.adamw(lr, b1=s.b1, b2=s.b2, eps=s.eps, weight_decay=s.weight_decay)
+        else:
+            raise ValueError(f"unknown optimizer {opt!r}; one of {OPTIMIZERS}")
+        parts = [optax.clip_by_global_norm(cfg.clip)] if cfg.clip > 0 else []
+        parts.append(base)
+        if layers is not None:
+            parts.append(stabljax.qk_clip(layers, tau=cfg.tau))
+        # The guard outside everything: a skipped step clips nothing (qk_clip's docstring).
+        return stabljax.skip_nonfinite(optax.chain(*parts))
+
+    return make
+
+
+def probes(arm: str) -> dict:
+    if arm == "qk_clip":
+        return {"clipped_heads": lambda st: optax.tree.get(st.opt_state, "qk_clipped_heads")}
+    return {}
+
+
+def run(cfg: Config, bar) -> tuple[list[dict], dict]:
+    rows, curves = [], {}
+    tail = max(1, cfg.steps // 4)
+    for opt in cfg.optimizers:
+        specs = [{"seed": sd, "learning_rate": lr} for lr in cfg.lrs(opt) for sd in cfg.seeds]
+        for arm in cfg.arms:
+            bar.set_postfix_str(f"{opt} {arm}")
+            s = cfg.setup(qk_norm=arm == "qk_norm")
+            r = Trainer(s, factory(opt, arm, s, cfg), probes=probes(arm)).run_many(
+                specs, progress=bar.update
+            )
+            m = r.metrics
+            for i in range(len(r.specs)):
+                logit = m["max_attn_logit"][i]
+                rows.append(
+                    {
+                        "optimizer": opt,
+                        "arm": arm,
+                        **r.outcome(i),
+                        "max_attn_logit": float(np.nanmax(logit)),
+                        "late_max_attn_logit": float(np.nanmax(logit[-tail:])),
+                        "clipped_head_steps": float(np.sum(m["clipped_heads"][i]))
+                        if "clipped_heads" in m
+                        else 0.0,
+                        "spike_score_loss": stabljax.telemetry.spike_score(
+                            m["loss"][i], window=100, min_history=20
+                        ),
+                        "skipped_steps": int(np.sum(m["skipped"][i])),
+                    }
+                )
+            curves[(opt, arm)] = {"logit": m["max_attn_logit"], "loss": m["loss"], "specs": r.specs}
+    return rows, curves
+
+
+def best_lr(cfg: Config, rows: list[dict], opt: str, arm: str = "none") -> float:
+    """The LR with the lowest seed-mean final loss (a diverged run counts as its init)."""
+
+    def score(lr):
+        rr = [r for r in rows if (r["optimizer"], r["arm"], r["lr"]) == (opt, arm, lr)]
+        return float(
+            np.mean(
+                [r["final_loss"] if np.isfinite(r["final_loss"]) else r["init_loss"] for r in rr]
+            )
+        )
+
+    return min(cfg.lrs(opt), key=score)
+
+
+def summarize(cfg: Config, rows: list[dict]) -> tuple[dict, dict]:
+    """Paired effects per (optimizer, remedy, LR), Holm over the family; the summary."""
+    effects, keys = {}, []
+    for opt in cfg.optimizers:
+        for arm in (a for a in cfg.arms if a != "none"):
+            for lr in cfg.lrs(opt):
+                match = dict(optimizer=opt, lr=lr)
+
+                def seeds_of(key, a, match=match):
+                    return stats.per_seed(rows, key, cfg.seeds, arm=a, **match)
+
+                base = [
+                    v if np.isfinite(v) else i
+                    for v, i in zip(
+                        seeds_of(PRIMARY, "none"), seeds_of("init_loss", "none"), strict=True
+                    )
+                ]
+                rem = [
+                    v if np.isfinite(v) else i
+                    for v, i in zip(seeds_of(PRIMARY, arm), seeds_of("init_loss", arm), strict=True)
+                ]
+                name = f"{opt} {arm} @ lr {lr:g}"
+                effects[name] = {
+                    PRIMARY: stats.paired_effect(rem, base, PRIMARY, interval="t"),
+                    "mechanism": stats.paired_effect(
+                        seeds_of("late_max_attn_logit", arm),
+                        seeds_of("late_max_attn_logit", "none"),
+                        "late_max_attn_logit",
+                        interval="t",
+                    ),
+                }
+                keys.append(name)
+    adjusted = stats.holm([effects[k][PRIMARY]["p_sign_flip"] for k in keys])
+    remedies = {}
+    for k, p_adj in zip(keys, adjusted, strict=True):
+        e, mech = effects[k][PRIMARY], effects[k]["mechanism"]
+        e["p_holm"] = p_adj
+        moved = bool(mech["ci95"][1] < 0)
+        remedies[k] = {
+            "metric": PRIMARY_TEXT,
+            "effect_mean": e["effect_mean"],
+            "ci95": e["ci95"],
+            "p_sign_flip": e["p_sign_flip"],
+            "p_holm": p_adj,
+            "mechanism_moved": moved,
+            "mechanism": {
+                "metric": "max attention logit, last quarter (bounded by construction)",
+                "effect_mean": mech["effect_mean"],
+                "ci95": mech["ci95"],
+            },
+            "claim_met": bool(e["ci95"][1] < 0 and moved and p_adj < 0.05),
+        }
+    grid = {}
+    for opt in cfg.optimizers:
+        b = best_lr(cfg, rows, opt)
+        grid[opt] = {
+            "lrs": list(cfg.lrs(opt)),
+            "best_lr_none": b,
+            "best_strictly_inside": bool(min(cfg.lrs(opt)) < b < max(cfg.lrs(opt))),
+        }
+    top = [r for r in rows if r["arm"] == "none" and r["lr"] == max(cfg.lrs(r["optimizer"]))]
+    reproduced = float(np.mean([r["late_max_attn_logit"] for r in top])) > cfg.tau
+    summary = stats.summary(
+        instability_reproduced=reproduced,
+        failure_metric=f"no-control max attention logit (last quarter) above tau={cfg.tau:g} "
+        "at the top LR, seed mean",
+        remedies=remedies,
+        seeds=len(cfg.seeds),
+        sizes=[f"d{cfg.d_model}x{cfg.n_layers}"],
+        note="primary metric fixed in code before the run; paired t-intervals, exact "
+        "sign-flip p, Holm over every (optimizer, remedy, LR) row",
+    )
+    summary |= {
+        "primary_metric": PRIMARY_TEXT,
+        "interval": "paired t, 95 %",
+        "p_values": "exact sign-flip permutation, Holm-adjusted over the family",
+        "lr_grid": grid,
+        "tau": cfg.tau,
+    }
+    return summary, effects
+
+
+def tables(cfg: Config, rows: list[dict], summary: dict) -> str:
+    per_opt = []
+    for opt in cfg.optimizers:
+        t = []
+        for a in cfg.arms:
+            row = {"optimizer": opt, "arm": a}
+            for lr in cfg.lrs(opt):
+                rr = [r for r in rows if (r["optimizer"], r["arm"], r["lr"]) == (opt, a, lr)]
+                row[f"lr {lr:g}: loss"] = f"{np.nanmean([r['final_loss'] for r in rr]):.3f}"
+                row[f"lr {lr:g}: max logit"] = (
+                    f"{np.nanmean([r['late_max_attn_logit'] for r in rr]):.3g}"
+                )
+            t.append(row)
+        per_opt.append(common.markdown_table(t))
+    e = [
+        {
+            "comparison": k,
+            "Δ final loss [95% t-CI]": f"{v['effect_mean']:+.3f} [{v['ci95'][0]:+.3f}, "
+            f"{v['ci95'][1]:+.3f}]",
+            "p (sign-flip)": f"{v['p_sign_flip']:.4f}",
+            "p (Holm)": f"{v['p_holm']:.4f}",
+            "Δ late max logit": f"{v['mechanism']['effect_mean']:+.1f}",
+            "claim met": "yes" if v["claim_met"] else "no",
+        }
+        for k, v in summary["remedies"].items()
+    ]
+    grid = "; ".join(
+        f"{o}: best LR (no control) {g['best_lr_none']:g}, strictly inside the grid: "
+        f"{'yes' if g['best_strictly_inside'] else 'no'}"
+        for o, g in summary["lr_grid"].items()
+    )
+    return (
+        f"Seed means over {len(cfg.seeds)} seeds, {cfg.steps} steps, tau = {cfg.tau:g}. "
+        f"Max logit: the max attention logit over the last quarter of the run. {grid}.\n\n"
+        + "\n".join(per_opt)
+        + f"\nPrimary metric: {PRIMARY_TEXT}. Paired per-seed differences, 95 % t-intervals, "
+        "exact sign-flip p-values, Holm over all rows\n\n" + common.markdown_table(e)
+    )
+
+
+def figures(cfg: Config, rows: list[dict], curves: dict, out: pathlib.Path) -> None:
+    plt = plots.pyplot()
+    # Kimi K2's Fig. 2: max logit against step, without control and with QK-Clip.
+    n_top = min(2, min(len(cfg.lrs(o)) for o in cfg.optimizers))
+    fig, axes = plt.subplots(
+        len(cfg.optimizers), n_top, figsize=(5 * n_top, 3.4 * len(cfg.optimizers)), squeeze=False
+    )
+    for i, opt in enumerate(cfg.optimizers):
+        for j, lr in enumerate(sorted(cfg.lrs(opt))[-n_top:]):
+            ax = axes[i][j]
+            for arm in cfg.arms:
+                c = curves[(opt, arm)]
+                idx = [k for k, sp in enumerate(c["specs"]) if sp["learning_rate"] == lr]
+                ys = np.asarray(c["logit"])[idx]
+                plots.seed_lines(ax, np.arange(ys.shape[1]), ys, color=COLORS[arm], name=arm)
+            ax.axhline(cfg.tau, color="k", ls="--", lw=0.8, label=f"τ = {cfg.tau:g}")
+            ax.set_yscale("log")
+            ax.set_xlabel("step")
+            ax.set_ylabel("max attention logit")
+            plots.label(ax, f"{opt}, lr {lr:g}")
+            ax.legend(fontsize=7, loc="lower right")
+    plots.save_figure(fig, out / "max_logit.png")
+    loss_figure(cfg, rows, out)
+
+
+def loss_figure(cfg: Config, rows: list[dict], out: pathlib.Path) -> None:
+    """Final loss against LR, with 95 % t-intervals across seeds (a diverged run: its init)."""
+    plt = plots.pyplot()
+    fig, axes = plt.subplots(
+        1, len(cfg.optimizers), figsize=(5 * len(cfg.optimizers), 3.6), squeeze=False
+    )
+    for i, opt in enumerate(cfg.optimizers):
+        ax = axes[0][i]
+        lrs = sorted(cfg.lrs(opt))
+        for k, arm in enumerate(cfg.arms):
+            means, los, his = [], [], []
+            for lr in lrs:
+                v = [
+                    r["final_loss"] if np.isfinite(r["final_loss"]) else r["init_loss"]
+                    for r in rows
+                    if (r["optimizer"], r["arm"], r["lr"]) == (opt, arm, lr)
+                ]
+                lo, hi = stats.t_interval(v) if len(v) > 1 else (v[0], v[0])
+                means.append(np.mean(v))
+                los.append(np.mean(v) - lo)
+                his.append(hi - np.mean(v))
+            x = np.asarray(lrs) * (1.0 + 0.04 * (k - 1))  # side by side
+            ax.errorbar(
+                x, means, yerr=[los, his], color=COLORS[arm], marker="o", ms=3, capsize=3, label=arm
+            )
+        ax.set_xscale("log")
+        ax.set_xlabel("peak learning rate")
+        ax.set_ylabel("final held-out loss (nats/byte)")
+        plots.label(ax, opt)
+        ax.legend(fontsize=7, loc="lower right")
+    plots.save_figure(fig, out / "loss_vs_lr.png")
+
+
+def main(argv=None) -> dict:
+    ex = cli.start(Config, argv, __doc__, name="qk_clip")
+    cfg, out = ex.cfg, ex.out
+    n = sum(len(cfg.lrs(o)) for o in cfg.optimizers) * len(cfg.arms) * len(cfg.seeds) * cfg.steps
+    rows, curves = ex.sweep(n, lambda bar: run(cfg, bar))
+    summary, effects = summarize(cfg, rows)
+    table = tables(cfg, rows, summary)
+    every = max(1, cfg.steps // 50)
+    res = {
+        "primary_metric": PRIMARY,
+        "rows": rows,
+        "effects": effects,
+        "max_logit_every": every,
+        "max_logit_curves": {
+            f"{o} {a}": {
+                f"lr {lr:g}": np.asarray(c["logit"])[
+                    [k for k, sp in enumerate(c["specs"]) if sp["learning_rate"] == lr]
+                ][:, ::every]
+                for lr in cfg.lrs(o)
+            }
+            for (o, a), c in curves.items()
+        },
+    }
+    ex.write(res, table=table, title="QK-Clip against attention-logit growth", summary=summary)
+    figures(cfg, rows, curves, out)
+    print(table)
+    return res
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
