@@ -56,6 +56,7 @@ EventKind = Literal[
     "preempted",
     "data_exhausted",
     "triage",
+    "rebaseline",
 ]
 """The kinds of :class:`Event`.
 
@@ -72,9 +73,11 @@ checkpoint. ``skip``: a data range was added to the skip ledger.
 ``data_exhausted``: the data ran out before the target step.
 ``triage``: after a rollback, a replay of the suspect window classified the spike
 (:mod:`stabljax.control.triage`; ``details["verdict"]``, evidence, culprits, attribution).
+``rebaseline``: a ``skip_spikes`` guard took a new loss level as its baseline after
+consecutive agreeing skips (``metrics["spike_rebaselines"]`` rose; ``details["total"]``).
 """
 
-SCHEMA_VERSION = "1.0"
+SCHEMA_VERSION = "1.1"
 """The version of the ``events.jsonl`` line format (docs/events.md)."""
 
 

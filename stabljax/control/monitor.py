@@ -6,6 +6,11 @@ carries besides the state: the detectors' states and a bias-corrected EMA of the
 It also keeps the last 64 losses for the messages of events and of
 :class:`~stabljax.control.errors.TrainingDiverged`; a rollback trims them to the restored
 branch, so an event never mixes steps from an abandoned one.
+
+A ``skip_spikes`` guard that re-baselines on a level shift accepts the new level on
+device; the step reports it as a rise of ``metrics["spike_rebaselines"]``, and the
+monitor turns each rise into a ``rebaseline`` event, so under the controller a level the
+guard absorbed is on record, never a silent acceptance.
 """
 
 from __future__ import annotations
@@ -20,7 +25,7 @@ from stabljax.control.controller import warn
 from stabljax.control.detectors import Detection, Detector
 from stabljax.control.rollback import losses_before
 from stabljax.control.store import host_scalars
-from stabljax.metrics import LOSS, SKIPPED
+from stabljax.metrics import LOSS, SKIPPED, SPIKE_REBASELINES
 
 EMA_DECAY = 0.98
 
@@ -38,7 +43,11 @@ class Monitor:
             raise ValueError(f"detector names must be unique, got {names}")
         # Only the metrics some detector reads are fetched (each fetch is a host transfer).
         wanted = [getattr(d, "keys", None) for d in self.detectors]
-        self.keys = None if any(k is None for k in wanted) else frozenset({LOSS}.union(*wanted))
+        self.keys = (
+            None
+            if any(k is None for k in wanted)
+            else frozenset({LOSS, SPIKE_REBASELINES}.union(*wanted))
+        )
         self.rolls_back_to_best = any(
             getattr(d, "action", "") == "rollback_best" for d in self.detectors
         )
@@ -46,6 +55,8 @@ class Monitor:
         self.ema = [0.0, 0]
         self.recent: collections.deque = collections.deque(maxlen=64)
         self.last_loss: float | None = None
+        # The guards' cumulative re-baseline count last seen (None: not seen since a load).
+        self.rebaselines: int | None = None
 
     @staticmethod
     def check_metrics(metrics: Any) -> None:
@@ -77,6 +88,7 @@ class Monitor:
         if math.isfinite(loss):
             self.ema[0] = EMA_DECAY * self.ema[0] + (1 - EMA_DECAY) * loss
             self.ema[1] += 1
+        self._observe_rebaselines(step, host)
         found = []
         for det in self.detectors:
             d = det.update(step, host)
@@ -98,11 +110,37 @@ class Monitor:
                 warn(d.reason)
         return found
 
+    def _observe_rebaselines(self, step: int, host: Mapping[str, Any]) -> None:
+        """A ``rebaseline`` event when the guards' cumulative count rose at ``step``."""
+        if SPIKE_REBASELINES not in host:
+            return
+        total = int(host[SPIKE_REBASELINES])
+        # Equal or lower after a load or rollback: the count restored with the state.
+        if self.rebaselines is not None and total > self.rebaselines:
+            added = total - self.rebaselines
+            self._log(
+                "rebaseline",
+                step,
+                added=added,
+                total=total,
+                loss=self.last_loss,
+                recent=[[s, v] for s, v, _ in list(self.recent)[-8:]],
+                reason=(
+                    f"skip_spikes accepted a new loss level at step {step} "
+                    f"(loss {self.last_loss:.6g}) after consecutive agreeing skips"
+                ),
+            )
+        self.rebaselines = total
+
     def losses_before(self, step: int) -> list[list[Any]]:
         return losses_before(self.recent, step)
 
     def to_meta(self) -> dict[str, Any]:
-        return {"detectors": {d.name: d.get_state() for d in self.detectors}, "ema": list(self.ema)}
+        return {
+            "detectors": {d.name: d.get_state() for d in self.detectors},
+            "ema": list(self.ema),
+            "spike_rebaselines": self.rebaselines,
+        }
 
     def load(self, meta: Mapping[str, Any]) -> None:
         """Takes the detectors' states and the EMA of a checkpoint's meta item."""
@@ -111,6 +149,10 @@ class Monitor:
             d.set_state(states.get(d.name, {}))
         self.ema = [float(meta["ema"][0]), int(meta["ema"][1])]
         self.last_loss = None
+        # The count the saved state carries: a re-baseline on the first step after a
+        # restore is then still an event. Absent (None) in checkpoints without guards.
+        saved = meta.get("spike_rebaselines")
+        self.rebaselines = None if saved is None else int(saved)
 
     def trim(self, before: int) -> None:
         """Forgets the losses of steps ``>= before`` (a rollback to checkpoint ``before``)."""

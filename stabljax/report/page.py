@@ -158,6 +158,10 @@ def summary(run: Run) -> dict[str, Any]:
             f"{k} {v}" for k, v in collections.Counter(e.kind for e in run.of(*DETECTIONS)).items()
         )
         or "none",
+        "level shifts the guards accepted (rebaseline)": ", ".join(
+            f"step {e.step}" for e in run.of("rebaseline")
+        )
+        or "none",
         "triage verdicts": ", ".join(f"{k} {v}" for k, v in sorted(verdicts.items())) or "none",
         "checkpoints saved": len(run.of("save")),
         "data index at the end": run.ledger.get("data_index", "?"),
