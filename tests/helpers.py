@@ -35,6 +35,27 @@ def assert_bitwise_equal(a, b):
         assert x.tobytes() == y.tobytes(), (x, y)
 
 
+class CountedReads:
+    """A device scalar stand-in whose host reads are counted (``reads``)."""
+
+    shape = ()
+
+    def __init__(self, value):
+        self.value, self.reads = value, 0
+
+    def __array__(self, dtype=None, copy=None):
+        self.reads += 1
+        return np.asarray(self.value, dtype)
+
+    def __float__(self):
+        self.reads += 1
+        return float(self.value)
+
+    def block_until_ready(self):
+        self.reads += 1
+        return self
+
+
 def mesh8(axis: str = "data") -> Mesh:
     """A 1-D mesh over the 8 virtual CPU devices the root conftest.py provides."""
     devices = np.array(jax.devices()[:8])

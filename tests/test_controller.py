@@ -25,6 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from helpers import CountedReads as _Probe
 from helpers import host as _host
 from helpers import mesh8, shard_leading
 from toy import (
@@ -167,27 +168,6 @@ def test_a_guarded_anomaly_that_persists_rolls_back(tmp_path, toy, fn):
     assert ctl.rollbacks == 1
     assert len(_used_indices(data.index, ctl.skipped_ranges)) == 100
     assert np.isfinite(np.asarray(_host(state.params)["w"])).all()
-
-
-class _Probe:
-    """A metric whose host read is recorded (a device value whose readiness we control)."""
-
-    shape = ()
-
-    def __init__(self, value):
-        self.value, self.reads = value, 0
-
-    def __array__(self, dtype=None, copy=None):
-        self.reads += 1
-        return np.asarray(self.value, dtype)
-
-    def __float__(self):
-        self.reads += 1
-        return float(self.value)
-
-    def block_until_ready(self):
-        self.reads += 1
-        return self
 
 
 def test_step_does_not_read_the_current_metrics(tmp_path):
