@@ -215,15 +215,19 @@ def test_time_budget_stops_with_inconclusive(tmp_path):
     assert t["steps"] == 0 and t["replayed"] == []
 
 
-def test_without_a_train_step_triage_says_so(tmp_path):
-    state, step = toy.triage_toy()
+def _hand_written_loop(tmp_path, triage, state, step):
+    """50 steps of a loop calling ``ctl.step`` (not ``run``), bad batch 35: the triage event."""
     data = IndexedBatches(toy.triage_batches(bad=[35]))
-    with RollbackController(tmp_path, triage=True, **toy.triage_controller_kwargs()) as ctl:
+    with RollbackController(tmp_path, triage=triage, **toy.triage_controller_kwargs()) as ctl:
         state, data = ctl.restore_or_init(state, data)
         while ctl.current_step < 50:
             state, metrics = step(state, next(data))
             state, data = ctl.step(state, metrics, data)
-    t = _triage_event(ctl)
+    return _triage_event(ctl)
+
+
+def test_without_a_train_step_triage_says_so(tmp_path):
+    t = _hand_written_loop(tmp_path, True, *toy.triage_toy())
     assert t["verdict"] == "inconclusive" and "RollbackController.run" in t["reason"]
 
 
@@ -236,13 +240,7 @@ def test_in_a_hand_written_loop_triage_replays_the_step_fn_it_is_given(tmp_path)
         return toy.triage_batches(bad=[35])(i)
 
     cfg = TriageConfig(step_fn=step, batch_fn=batch_fn)
-    data = IndexedBatches(toy.triage_batches(bad=[35]))
-    with RollbackController(tmp_path, triage=cfg, **toy.triage_controller_kwargs()) as ctl:
-        state, data = ctl.restore_or_init(state, data)
-        while ctl.current_step < 50:
-            state, metrics = step(state, next(data))
-            state, data = ctl.step(state, metrics, data)
-    t = _triage_event(ctl)
+    t = _hand_written_loop(tmp_path, cfg, state, step)
     assert t["verdict"] == "data" and t["culprits"] == [35]
     assert len(calls) == t["steps"] == 19  # every replayed batch came from batch_fn
 
