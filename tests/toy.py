@@ -12,15 +12,16 @@ poisoned:
   case), so triage says ``state``.
 * ``drift_from``: targets drift up slowly from that index on (a slow divergence).
 
-The tests reach it through the fixtures of ``conftest.py``; the worker scripts
-(``ctl_worker.py``, ``triage_worker.py``) run it in subprocesses, where fixtures do not
-exist, and import it from here. JAX is imported inside the functions: a worker that joins
+The tests import it, and conftest.py's fixtures (``toy``, ``reference``) build on it;
+the worker scripts (``ctl_worker.py``, ``triage_worker.py``) run it in subprocesses,
+where fixtures do not exist. JAX is imported inside the functions: a worker that joins
 a multi-process job must configure it before anything touches a backend.
 """
 
 from __future__ import annotations
 
 import functools
+import json
 import os
 import pathlib
 import signal
@@ -124,9 +125,7 @@ def toy_detectors():
 def controller_kwargs(**overrides) -> dict[str, Any]:
     """The controller settings of the toy runs (10-step saves, 3 kept, margin 10)."""
     kw = dict(save_every=10, keep=3, rollback_margin=10, detectors=toy_detectors())
-    kw.update(max_rollbacks=20)
-    kw.update(overrides)
-    return kw
+    return kw | dict(max_rollbacks=20) | overrides
 
 
 def triage_toy():
@@ -167,9 +166,8 @@ def run_toy(directory, steps, batch_fn, *, state=None, step=None, **kw):
     """
     from stabljax.control import IndexedBatches
 
-    if state is None or step is None:
-        state0, step0 = toy_problem()
-        state, step = state0 if state is None else state, step0 if step is None else step
+    state0, step0 = toy_problem()
+    state, step = state0 if state is None else state, step0 if step is None else step
     with toy_controller(directory, **kw) as ctl:
         state, data = ctl.run(step, state, IndexedBatches(batch_fn), steps, progress=False)
     return ctl, state, data
@@ -188,8 +186,6 @@ def start_ctl_worker(directory, out, *extra, steps: int = 120) -> subprocess.Pop
 def assert_resumed_exactly(directory, out, reference) -> None:
     """Asserts a worker's final ``out`` is the reference run's, bit for bit, with the same
     ledger, and that ``directory`` holds nothing half-written."""
-    import json
-
     from helpers import host
 
     ref_ctl, ref_state, ref_data = reference
