@@ -1,9 +1,6 @@
-"""A small training job for the controller tests, importable and runnable as a script.
-
-Imported, it gives the toy problem (a linear regression trained with SGD, batches a pure
-function of their index, some indices poisoned). Run as a script it trains it under a
-RollbackController, so tests can SIGKILL it and restart it, or run it as two real JAX
-processes (``--process-id``, gloo collectives, 2 CPU devices each).
+"""The controller tests' training job, run as a script: the toy problem of tests/toy.py
+under a RollbackController, so tests can SIGKILL it and restart it, or run it as two real
+JAX processes (``--process-id``, gloo collectives, 2 CPU devices each).
 
     python tests/ctl_worker.py --dir D --steps 120 --bad 35,36,80 --out final.npz
 """
@@ -11,96 +8,13 @@ processes (``--process-id``, gloo collectives, 2 CPU devices each).
 from __future__ import annotations
 
 import argparse
-import functools
 import json
 import os
 import signal
 import sys
-from typing import Any
 
 import numpy as np
-
-W_TRUE = np.array([[1.0], [-2.0], [0.5], [3.0]], np.float32)
-ROWS = 16
-
-
-def batch_fn_factory(bad=(), nan=(), *, seed: int = 0, drift_from: int | None = None):
-    """Batches of a noisy linear problem; ``bad`` indices get targets +50, ``nan`` NaN.
-
-    With ``drift_from``, targets drift up slowly from that index on (a slow divergence).
-    """
-    bad, nan = frozenset(bad), frozenset(nan)
-
-    def batch_fn(i: int) -> dict[str, np.ndarray]:
-        rng = np.random.default_rng([seed, i])
-        x = rng.normal(size=(ROWS, 4)).astype(np.float32)
-        y = x @ W_TRUE + 0.1 * rng.normal(size=(ROWS, 1)).astype(np.float32)
-        if i in bad:
-            y = y + 50.0
-        if i in nan:
-            y = y * np.nan
-        if drift_from is not None and i >= drift_from:
-            y = y + rng.normal(size=(ROWS, 1)).astype(np.float32) * 0.02 * (i - drift_from)
-        return {"x": x, "y": y.astype(np.float32)}
-
-    return batch_fn
-
-
-def make_toy(optimizer=None, *, extra: int = 0, donate: bool = False):
-    """Returns ``(init_state, train_step)``; ``extra`` floats of ballast make saves slow.
-
-    With ``donate`` the train step donates the state it is given, as real ones do.
-    """
-    import flax.struct
-    import jax
-    import jax.numpy as jnp
-    import optax
-
-    from stabljax.optim.guards import any_skipped, skip_streak
-
-    opt = optax.with_extra_args_support(optimizer or optax.sgd(0.05))
-
-    @flax.struct.dataclass
-    class ToyState:
-        step: jax.Array
-        params: Any
-        opt_state: Any
-        ballast: Any
-
-    def loss_fn(params, batch):
-        pred = batch["x"] @ params["w"] + params["b"]
-        return jnp.mean((pred - batch["y"]) ** 2)
-
-    @functools.partial(jax.jit, donate_argnums=(0,) if donate else ())
-    def train_step(state, batch):
-        loss, grads = jax.value_and_grad(loss_fn)(state.params, batch)
-        updates, opt_state = opt.update(grads, state.opt_state, state.params, loss=loss)
-        params = optax.apply_updates(state.params, updates)
-        metrics = {
-            "loss": loss,
-            "skipped": any_skipped(opt_state),
-            "skip_streak": skip_streak(opt_state),
-        }
-        return ToyState(state.step + 1, params, opt_state, state.ballast), metrics
-
-    params = {"w": jnp.zeros((4, 1), jnp.float32), "b": jnp.zeros((1,), jnp.float32)}
-    state = ToyState(
-        step=jnp.zeros([], jnp.int32),
-        params=params,
-        opt_state=opt.init(params),
-        ballast=jnp.arange(extra, dtype=jnp.float32) if extra else None,
-    )
-    return state, train_step
-
-
-def toy_detectors():
-    from stabljax.control import DivergenceDetector, SpikeDetector
-
-    return [SpikeDetector(warmup=10, patience=5), DivergenceDetector(max_skip_streak=4)]
-
-
-def _ints(s: str) -> list[int]:
-    return [int(v) for v in s.split(",") if v]
+from toy import ROWS, batch_fn_factory, controller_kwargs, ints, make_toy
 
 
 def _train(args) -> int:
@@ -112,16 +26,14 @@ def _train(args) -> int:
     signals = {"term": signal.SIGTERM, "int": signal.SIGINT}
     ctl = RollbackController(
         args.dir,
-        save_every=args.save_every,
-        keep=3,
-        rollback_margin=10,
-        detectors=toy_detectors(),
-        max_rollbacks=20,
-        async_save=not args.sync,
-        background_save=args.background,
-        preemption_signals=[signals[s] for s in args.signals.split(",") if s],
+        **controller_kwargs(
+            save_every=args.save_every,
+            async_save=not args.sync,
+            background_save=args.background,
+            preemption_signals=[signals[s] for s in args.signals.split(",") if s],
+        ),
     )
-    batch_fn = batch_fn_factory(_ints(args.bad))
+    batch_fn = batch_fn_factory(ints(args.bad))
     state, data = ctl.restore_or_init(state, IndexedBatches(batch_fn))
     print("ready", flush=True)  # the signal handlers are in place
     if args.run:
@@ -169,7 +81,7 @@ def _join_two_processes(args):
 
     assert jax.device_count() == 4 and jax.local_device_count() == 2, jax.devices()
     mesh = Mesh(np.array(jax.devices()), ("data",))
-    poisoned, me, clean = set(_ints(args.bad)), jax.process_index(), batch_fn_factory()
+    poisoned, me, clean = set(ints(args.bad)), jax.process_index(), batch_fn_factory()
 
     def put(x, sharding):
         x = np.asarray(x)
@@ -198,9 +110,7 @@ def _multi(args) -> int:
     def global_batch(local):
         return {k: jax.make_array_from_process_local_data(rows, v) for k, v in local.items()}
 
-    ctl = RollbackController(
-        args.dir, save_every=10, keep=3, rollback_margin=10, detectors=toy_detectors()
-    )
+    ctl = RollbackController(args.dir, **controller_kwargs())
     state, data = ctl.restore_or_init(state, IndexedBatches(local_batch))
     state, data = ctl.run(
         lambda s, b: train_step(s, global_batch(b)), state, data, args.steps, progress=False
@@ -250,9 +160,7 @@ def _fsdp(args) -> int:
     state = jax.tree.map(put, jax.device_get(state), shardings)
     assert not state.params["w"].is_fully_addressable
     step_fn = jax.jit(train_step, out_shardings=(shardings, replicated))
-    ctl = RollbackController(
-        args.dir, save_every=10, keep=3, rollback_margin=10, detectors=toy_detectors()
-    )
+    ctl = RollbackController(args.dir, **controller_kwargs())
     state, data = ctl.restore_or_init(state, IndexedBatches(local_batch))
     termed = False
     try:

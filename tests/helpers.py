@@ -1,4 +1,5 @@
-"""Shared test helpers: reference problems, sharding, and pytree builders."""
+"""Shared test helpers: host copies and bitwise comparison of pytrees, reference problems,
+sharding, and pytree builders. (The controller's toy problem is in toy.py.)"""
 
 from __future__ import annotations
 
@@ -7,6 +8,52 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+
+def host(tree):
+    """A numpy copy of ``tree``, safe from donation; typed PRNG keys as their key data."""
+    return jax.tree.map(lambda x: np.array(_raw(x)), tree)
+
+
+def _raw(x):
+    if isinstance(x, jax.Array) and jnp.issubdtype(x.dtype, jax.dtypes.prng_key):
+        return jax.random.key_data(x)
+    return x
+
+
+def assert_bitwise_equal(a, b):
+    """Same structure, dtypes, shapes and bytes in every leaf (NaN == NaN, 0.0 != -0.0).
+
+    Typed PRNG keys compare by their key data.
+    """
+    la, ta = jax.tree.flatten(a)
+    lb, tb = jax.tree.flatten(b)
+    assert ta == tb, (ta, tb)
+    for x, y in zip(la, lb, strict=True):
+        x, y = np.asarray(_raw(x)), np.asarray(_raw(y))
+        assert x.dtype == y.dtype and x.shape == y.shape, (x.dtype, x.shape, y.dtype, y.shape)
+        assert x.tobytes() == y.tobytes(), (x, y)
+
+
+class CountedReads:
+    """A device scalar stand-in whose host reads are counted (``reads``)."""
+
+    shape = ()
+
+    def __init__(self, value):
+        self.value, self.reads = value, 0
+
+    def __array__(self, dtype=None, copy=None):
+        self.reads += 1
+        return np.asarray(self.value, dtype)
+
+    def __float__(self):
+        self.reads += 1
+        return float(self.value)
+
+    def block_until_ready(self):
+        self.reads += 1
+        return self
 
 
 def mesh8(axis: str = "data") -> Mesh:

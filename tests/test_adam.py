@@ -199,6 +199,9 @@ def _matrices(params):
     return jax.tree.map(lambda x: x.ndim > 1, params)
 
 
+_NADAMW = dict(b1=0.8, eps=1e-6, weight_decay=0.3, mask=_matrices, nesterov=True)
+
+
 @pytest.mark.parametrize(
     "ours,ref",
     [
@@ -207,22 +210,8 @@ def _matrices(params):
             lambda: optax.adam(0.05, eps=1e-8),
         ),
         (
-            lambda: adam.safe_adamw(
-                optax.linear_schedule(0.1, 0.01, 4),
-                b1=0.8,
-                eps=1e-6,
-                weight_decay=0.3,
-                mask=_matrices,
-                nesterov=True,
-            ),
-            lambda: optax.adamw(
-                optax.linear_schedule(0.1, 0.01, 4),
-                b1=0.8,
-                eps=1e-6,
-                weight_decay=0.3,
-                mask=_matrices,
-                nesterov=True,
-            ),
+            lambda: adam.safe_adamw(optax.linear_schedule(0.1, 0.01, 4), **_NADAMW),
+            lambda: optax.adamw(optax.linear_schedule(0.1, 0.01, 4), **_NADAMW),
         ),
     ],
     ids=["adam", "nadamw_schedule_mask"],

@@ -1,8 +1,8 @@
 """RollbackController: ledger honesty, crash safety, corruption, guards, lag, bad input.
 
-The toy problem (tests/ctl_worker.py) is a linear regression trained with SGD whose
-batches are a pure function of their index; "bad" indices get targets +50 (a loss spike
-whose update wrecks the parameters), "nan" indices NaN targets.
+The toy problem (tests/toy.py) is a linear regression trained with SGD whose batches are
+a pure function of their index; "bad" indices get targets +50 (a loss spike whose update
+wrecks the parameters), "nan" indices NaN targets. ``reference`` is conftest.py's.
 """
 
 from __future__ import annotations
@@ -13,8 +13,6 @@ import pathlib
 import random
 import shutil
 import signal
-import subprocess
-import sys
 import threading
 import time
 import warnings
@@ -27,8 +25,19 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from ctl_worker import batch_fn_factory, make_toy, toy_detectors
+from helpers import CountedReads as _Probe
+from helpers import host as _host
 from helpers import mesh8, shard_leading
+from toy import (
+    BAD,
+    assert_resumed_exactly,
+    batch_fn_factory,
+    make_toy,
+    start_ctl_worker,
+    toy_problem,
+)
+from toy import run_toy as _run
+from toy import toy_controller as _controller
 
 from stabljax.control import (
     DivergenceDetector,
@@ -42,43 +51,11 @@ from stabljax.control import (
 from stabljax.control.data import first_allowed
 from stabljax.optim.guards import skip_nonfinite, skip_spikes
 
-WORKER = pathlib.Path(__file__).with_name("ctl_worker.py")
-STATE0, STEP = make_toy()
-BAD = (35, 36, 80)
-
-
-def _controller(directory, **kw):
-    opts = dict(
-        save_every=10,
-        keep=3,
-        rollback_margin=10,
-        detectors=toy_detectors(),
-        max_rollbacks=20,
-    )
-    opts.update(kw)
-    return RollbackController(directory, **opts)
-
-
-def _run(directory, steps, batch_fn, *, state=STATE0, step=STEP, **kw):
-    ctl = _controller(directory, **kw)
-    state, data = ctl.run(step, state, IndexedBatches(batch_fn), steps, progress=False)
-    ctl.close()
-    return ctl, state, data
+STATE0, STEP = toy_problem()
 
 
 def _used_indices(data_index, ranges):
     return [i for i in range(data_index) if first_allowed(i, ranges) == i]
-
-
-def _host(tree):
-    return jax.device_get(tree)
-
-
-@pytest.fixture(scope="module")
-def reference(tmp_path_factory):
-    """An uninterrupted 120-step run with the bad batches at BAD."""
-    ctl, state, data = _run(tmp_path_factory.mktemp("ref"), 120, batch_fn_factory(BAD))
-    return ctl, state, data
 
 
 def test_ledger_honesty_bit_identical_retrain(reference):
@@ -193,27 +170,6 @@ def test_a_guarded_anomaly_that_persists_rolls_back(tmp_path, toy, fn):
     assert np.isfinite(np.asarray(_host(state.params)["w"])).all()
 
 
-class _Probe:
-    """A metric whose host read is recorded (a device value whose readiness we control)."""
-
-    shape = ()
-
-    def __init__(self, value):
-        self.value, self.reads = value, 0
-
-    def __array__(self, dtype=None, copy=None):
-        self.reads += 1
-        return np.asarray(self.value, dtype)
-
-    def __float__(self):
-        self.reads += 1
-        return float(self.value)
-
-    def block_until_ready(self):
-        self.reads += 1
-        return self
-
-
 def test_step_does_not_read_the_current_metrics(tmp_path):
     ctl = _controller(tmp_path, save_every=1000)
     state, data = ctl.restore_or_init(STATE0, IndexedBatches(batch_fn_factory()))
@@ -264,31 +220,11 @@ def test_crash_between_rollback_record_and_delete_is_finished_on_restart(tmp_pat
 
 
 def _worker(directory, out, *extra, wait=True):
-    cmd = [sys.executable, str(WORKER), "--dir", str(directory), "--out", str(out)]
-    cmd += ["--steps", "120", "--bad", ",".join(map(str, BAD)), *extra]
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    proc = start_ctl_worker(directory, out, *extra)
     if wait:
         _, err = proc.communicate(timeout=300)
         return proc.returncode, err
     return proc
-
-
-def _check_resumed_run(directory, out, reference):
-    ref_ctl, ref_state, ref_data = reference
-    got = np.load(out)
-    ref = _host(ref_state.params)
-    np.testing.assert_array_equal(got["w"], ref["w"])
-    np.testing.assert_array_equal(got["b"], ref["b"])
-    assert int(got["step"]) == 120
-    info = json.loads(pathlib.Path(str(out) + ".json").read_text())
-    assert [tuple(r) for r in info["ranges"]] == ref_ctl.skipped_ranges
-    assert info["index"] == ref_data.index
-    # Nothing half-written: every event line parses, the record parses, no temp files.
-    for line in (directory / "events.jsonl").read_text().splitlines():
-        json.loads(line)
-    json.loads((directory / "stabljax-rollback.json").read_text())
-    leftovers = [p.name for p in directory.iterdir() if "tmp" in p.name]
-    assert leftovers == []
 
 
 @pytest.mark.parametrize("mode", [[], ["--background"]], ids=["async", "background"])
@@ -309,7 +245,7 @@ def test_sigkill_right_after_an_async_save_resumes_exactly(tmp_path, reference, 
     np.savez(out, w=host["w"], b=host["b"], step=int(state.step))
     info = {"ranges": ctl.skipped_ranges, "index": data.index}
     pathlib.Path(str(out) + ".json").write_text(json.dumps(info))
-    _check_resumed_run(d, out, reference)
+    assert_resumed_exactly(d, out, reference)
     kinds = [e.kind for e in read_events(d / "events.jsonl")]
     assert kinds.count("rollback") == 2  # one before the kill, one after
 
@@ -345,7 +281,7 @@ def test_sigkill_at_random_points_resumes_exactly(tmp_path, reference):
     assert kills >= 1  # at least one random-point kill happened (usually several)
     rc, err = _worker(d, out, "--extra", "2000000")
     assert rc == 0, err[-2000:]
-    _check_resumed_run(d, out, reference)
+    assert_resumed_exactly(d, out, reference)
 
 
 def _largest_state_file(step_dir):

@@ -1,7 +1,7 @@
 """RollbackController against an operator's world: double launch, preemption, disk full,
 bad directories, changed state or data on resume, the end of the data, save health.
 
-Uses the toy problem of tests/ctl_worker.py (see tests/test_controller.py).
+Uses the toy problem of tests/toy.py and conftest.py's ``reference`` run.
 """
 
 from __future__ import annotations
@@ -21,11 +21,23 @@ import warnings
 import chex
 import jax
 import jax.numpy as jnp
-import numpy as np
 import optax
 import orbax.checkpoint as ocp
 import pytest
-from ctl_worker import batch_fn_factory, make_toy, toy_detectors
+from helpers import host as _host
+from toy import (
+    BAD,
+    CTL_WORKER,
+    assert_resumed_exactly,
+    batch_fn_factory,
+    make_toy,
+    toy_detectors,
+    toy_problem,
+)
+from toy import event_kinds as _kinds
+from toy import run_toy as _run
+from toy import start_ctl_worker as _worker
+from toy import toy_controller as _controller
 
 from stabljax.control import (
     CheckpointMismatch,
@@ -39,41 +51,13 @@ from stabljax.control import (
 )
 from stabljax.optim.guards import skip_nonfinite, skip_spikes
 
-WORKER = pathlib.Path(__file__).with_name("ctl_worker.py")
-STATE0, STEP = make_toy()
-BAD = (35, 36, 80)
-
-
-def _controller(directory, **kw):
-    opts = dict(save_every=10, keep=3, rollback_margin=10, detectors=toy_detectors())
-    opts.update(max_rollbacks=20, **kw)
-    return RollbackController(directory, **opts)
-
-
-def _run(directory, steps, batch_fn, *, state=STATE0, step=STEP, **kw):
-    with _controller(directory, **kw) as ctl:
-        state, data = ctl.run(step, state, IndexedBatches(batch_fn), steps, progress=False)
-    return ctl, state, data
-
-
-def _host(tree):
-    return jax.device_get(tree)
-
-
-def _kinds(directory):
-    return [e.kind for e in read_events(pathlib.Path(directory) / "events.jsonl")]
+STATE0, STEP = toy_problem()
 
 
 def _saved_steps(directory):
     return [
         e.step for e in read_events(pathlib.Path(directory) / "events.jsonl") if e.kind == "save"
     ]
-
-
-@pytest.fixture(scope="module")
-def reference(tmp_path_factory):
-    """An uninterrupted 120-step run with the bad batches at BAD."""
-    return _run(tmp_path_factory.mktemp("ref"), 120, batch_fn_factory(BAD))
 
 
 # ---------------------------------------------------------------------------- config
@@ -98,7 +82,10 @@ def test_combinations_that_cannot_work_are_refused_at_construction(tmp_path, kw,
         RollbackController(tmp_path, **kw)
     for name in names:
         assert name in str(info.value)
-    assert not (tmp_path / "stabljax.lock").exists() or RollbackController(tmp_path).close() is None
+    # Refused before the directory is touched: nothing written, nothing locked, so a
+    # corrected controller opens it (a held lock would raise here).
+    assert list(tmp_path.iterdir()) == []
+    RollbackController(tmp_path).close()
 
 
 def test_an_unknown_detection_action_is_an_error_where_it_appears(tmp_path):
@@ -210,27 +197,6 @@ def test_a_second_job_on_a_directory_is_refused_and_a_crashed_one_leaves_no_lock
 # -------------------------------------------------------------------------- saves
 
 
-def _worker(directory, out, *extra, steps=120):
-    cmd = [sys.executable, str(WORKER), "--dir", str(directory), "--out", str(out)]
-    cmd += ["--steps", str(steps), "--bad", ",".join(map(str, BAD)), *extra]
-    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-
-
-def _check_final(directory, out, reference):
-    ref_ctl, ref_state, ref_data = reference
-    got = np.load(out)
-    ref = jax.device_get(ref_state.params)
-    np.testing.assert_array_equal(got["w"], ref["w"])
-    np.testing.assert_array_equal(got["b"], ref["b"])
-    assert int(got["step"]) == 120
-    info = json.loads(pathlib.Path(str(out) + ".json").read_text())
-    assert [tuple(r) for r in info["ranges"]] == ref_ctl.skipped_ranges
-    assert info["index"] == ref_data.index
-    for line in (directory / "events.jsonl").read_text().splitlines():
-        json.loads(line)
-    assert [p.name for p in directory.iterdir() if "tmp" in p.name] == []
-
-
 def _resume_here(directory, reference, extra=2_000_000):
     """Finishes the job in this process (quicker than a new interpreter)."""
     state0, step = make_toy(extra=extra)
@@ -285,7 +251,7 @@ def test_stale_probe_files_of_dead_processes_are_removed(tmp_path):
 def test_nothing_is_printed_at_exit_for_a_controller_never_closed(tmp_path):
     script = (
         "import sys; sys.path.insert(0, sys.argv[2])\n"
-        "from ctl_worker import batch_fn_factory, make_toy\n"
+        "from toy import batch_fn_factory, make_toy\n"
         "from stabljax.control import IndexedBatches, RollbackController\n"
         "state, step = make_toy()\n"
         "ctl = RollbackController(sys.argv[1], save_every=5, rollback_margin=1)\n"
@@ -294,7 +260,7 @@ def test_nothing_is_printed_at_exit_for_a_controller_never_closed(tmp_path):
         "    state, m = step(state, next(data))\n"
         "    state, data = ctl.step(state, m, data)\n"
     )
-    args = [sys.executable, "-c", script, str(tmp_path), str(WORKER.parent)]
+    args = [sys.executable, "-c", script, str(tmp_path), str(CTL_WORKER.parent)]
     proc = subprocess.run(args, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "Exception ignored" not in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
@@ -306,8 +272,10 @@ def test_warnings_point_at_the_callers_line(tmp_path):
         with pytest.warns(RuntimeWarning, match="plain iterator") as got:
             ctl.restore_or_init(STATE0, iter([batch_fn_factory()(i) for i in range(3)]))
     assert [w.filename for w in got] == [__file__]
-    with pytest.warns(RuntimeWarning, match="ran out") as got:
-        _run(tmp_path / "short", 30, lambda i: batch_fn_factory()(i) if i < 12 else [][0])
+    short = IndexedBatches(lambda i: batch_fn_factory()(i) if i < 12 else [][0])
+    with _controller(tmp_path / "short") as ctl:
+        with pytest.warns(RuntimeWarning, match="ran out") as got:
+            ctl.run(STEP, STATE0, short, 30, progress=False)  # the caller's line
     assert {w.filename for w in got} == {__file__}
 
 
@@ -694,7 +662,7 @@ def _sweep(tmp_path, reference, signum, n, seed):
     proc = _worker(d, out, *extra)
     _, err = proc.communicate(timeout=300)
     assert proc.returncode == 0, err[-2000:]
-    _check_final(d, out, reference)
+    assert_resumed_exactly(d, out, reference)
     kinds = _kinds(d)
     assert kinds.count("preempted") == preempted
     return preempted

@@ -194,27 +194,20 @@ def _controller(tmp_path, **kw):
 
 def test_controller_records_a_short_overflow_run_and_rolls_back_a_long_one(tmp_path):
     step = fp16_step(2.0**10, 1.0)
+
+    def run(name, nan):
+        with _controller(tmp_path / name) as ctl:
+            data = IndexedBatches(batch_fn(nan=nan))
+            state, _ = ctl.run(step, fp16_state(2.0**10), data, 40, progress=False)
+        return ctl, state
+
     # A short run of overflows (3 <= 4): recorded, no rollback, training reaches the end.
-    with _controller(tmp_path / "short") as ctl:
-        state, data = ctl.run(
-            step,
-            fp16_state(2.0**10),
-            IndexedBatches(batch_fn(nan=range(22, 25))),
-            40,
-            progress=False,
-        )
+    ctl, state = run("short", range(22, 25))
     assert ctl.rollbacks == 0 and int(state.step) == 40
     div = [e for e in ctl.events if e.kind == "divergence"]
     assert [(e.step, e.details["action"]) for e in div] == [(22, "record")]
     # Eight in a row pass the limit: one rollback past them, then a clean finish.
-    with _controller(tmp_path / "long") as ctl:
-        state, data = ctl.run(
-            step,
-            fp16_state(2.0**10),
-            IndexedBatches(batch_fn(nan=range(22, 30))),
-            40,
-            progress=False,
-        )
+    ctl, state = run("long", range(22, 30))
     assert ctl.rollbacks == 1 and int(state.step) == 40
     rb = next(e for e in ctl.events if e.kind == "rollback")
     assert rb.details["onset"] == 22 and rb.details["restored_step"] <= 17

@@ -10,7 +10,13 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from helpers import mesh8, nested_params, random_grads_like, shard_leading
+from helpers import (
+    assert_bitwise_equal,
+    mesh8,
+    nested_params,
+    random_grads_like,
+    shard_leading,
+)
 
 import stabljax
 from stabljax.optim.guards import (
@@ -26,17 +32,6 @@ STATS = ("spike_accepted_steps", "spike_levels", "spike_residuals")
 
 
 # --------------------------------------------------------------------------- helpers
-
-
-def assert_bitwise_equal(a, b):
-    """Same structure, dtypes and bytes in every leaf (NaN == NaN, 0.0 != -0.0)."""
-    la, ta = jax.tree.flatten(a)
-    lb, tb = jax.tree.flatten(b)
-    assert ta == tb
-    for x, y in zip(la, lb, strict=True):
-        x, y = np.asarray(x), np.asarray(y)
-        assert x.dtype == y.dtype and x.shape == y.shape
-        assert x.tobytes() == y.tobytes(), (x, y)
 
 
 def assert_exact_zeros(tree):

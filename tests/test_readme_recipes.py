@@ -15,6 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from helpers import assert_bitwise_equal, host
 
 import stabljax
 
@@ -31,25 +32,6 @@ def run(name: str) -> dict:
     scope = {"__name__": f"readme_recipe_{name}"}
     exec(compile(recipes()[name], f"README.md[{name}]", "exec"), scope)  # noqa: S102
     return scope
-
-
-def host(tree):
-    """A host copy, safe from donation (keys as their raw data)."""
-
-    def copy(x):
-        if isinstance(x, jax.Array) and jnp.issubdtype(x.dtype, jax.dtypes.prng_key):
-            x = jax.random.key_data(x)
-        return np.array(x)
-
-    return jax.tree.map(copy, tree)
-
-
-def assert_bitwise_equal(a, b):
-    la, ta = jax.tree.flatten(host(a))
-    lb, tb = jax.tree.flatten(host(b))
-    assert ta == tb
-    for x, y in zip(la, lb, strict=True):
-        assert x.dtype == y.dtype and x.shape == y.shape and x.tobytes() == y.tobytes()
 
 
 def test_every_recipe_is_tested():

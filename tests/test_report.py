@@ -11,27 +11,25 @@ import subprocess
 import sys
 
 import pytest
+import toy
 
 from stabljax.control import IndexedBatches, JsonlMetricsWriter, RollbackController
 from stabljax.report import load_run, summary, write_report
 from stabljax.report.page import Run
-
-sys.path.insert(0, str(pathlib.Path(__file__).parent))
-import triage_worker as tw  # noqa: E402
 
 ROOT = pathlib.Path(__file__).parent.parent
 CHROMIUM = "/usr/bin/chromium"
 
 
 def _job(directory, *, triage=True, metrics=True, **data):
-    state, step = tw.make_toy()
-    kw = dict(tw.controller_kwargs(), triage=triage)
+    state, step = toy.triage_toy()
+    kw = dict(toy.triage_controller_kwargs(), triage=triage)
     writer = JsonlMetricsWriter(directory / "metrics.jsonl") if metrics else None
     with RollbackController(directory, **kw) as ctl:
         ctl.run(
             step,
             state,
-            IndexedBatches(tw.batch_fn_factory(**data)),
+            IndexedBatches(toy.triage_batches(**data)),
             60,
             progress=False,
             metrics_writer=writer,

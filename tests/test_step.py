@@ -12,7 +12,7 @@ import numpy as np
 import optax
 import pytest
 from flax import nnx
-from helpers import mesh8, shard_leading
+from helpers import assert_bitwise_equal, host, mesh8, shard_leading
 from jax.sharding import NamedSharding, PartitionSpec
 
 from stabljax import telemetry
@@ -86,21 +86,6 @@ def batch(i: int, poison: int | None = None):
     if poison is not None:
         b["inputs"] = b["inputs"].at[0, 0].set(poison)
     return b
-
-
-def host(tree):
-    """A host copy, safe from donation."""
-    return jax.tree.map(np.array, jax.device_get(tree))
-
-
-def assert_bitwise_equal(a, b):
-    la, ta = jax.tree.flatten(a)
-    lb, tb = jax.tree.flatten(b)
-    assert ta == tb
-    for x, y in zip(la, lb, strict=True):
-        x, y = np.asarray(x), np.asarray(y)
-        assert x.dtype == y.dtype and x.shape == y.shape
-        assert x.tobytes() == y.tobytes()
 
 
 @jax.jit

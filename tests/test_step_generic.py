@@ -11,7 +11,7 @@ import numpy as np
 import optax
 import pytest
 from flax import nnx
-from helpers import mesh8
+from helpers import assert_bitwise_equal, host, mesh8
 from jax.sharding import NamedSharding, PartitionSpec
 
 from stabljax.optim.guards import skip_nonfinite
@@ -23,27 +23,6 @@ X = np.random.default_rng(0).standard_normal((8, 3)).astype(np.float32)
 W_TRUE = np.array([1.0, -2.0, 0.5], np.float32)
 Y = X @ W_TRUE
 MOMENTUM = 0.9  # of the running mean kept in model_state
-
-
-def host(tree):
-    """A host copy, safe from donation (keys as their raw data)."""
-    return jax.tree.map(lambda x: np.array(jax.random.key_data(x) if _is_key(x) else x), tree)
-
-
-def assert_bitwise_equal(a, b):
-    la, ta = jax.tree.flatten(a)
-    lb, tb = jax.tree.flatten(b)
-    assert ta == tb
-    for x, y in zip(la, lb, strict=True):
-        x, y = (
-            np.asarray(jax.random.key_data(x) if _is_key(x) else x),
-            np.asarray(jax.random.key_data(y) if _is_key(y) else y),
-        )
-        assert x.dtype == y.dtype and x.shape == y.shape and x.tobytes() == y.tobytes()
-
-
-def _is_key(x):
-    return isinstance(x, jax.Array) and jnp.issubdtype(x.dtype, jax.dtypes.prng_key)
 
 
 def regression_loss(params, batch, *, rng, model_state):

@@ -1,6 +1,6 @@
 """Spike triage after a rollback: verdicts on constructed runs, bounds, crash safety.
 
-The toy (tests/triage_worker.py) is a linear regression with SGD, so the replayed losses
+The toy (tests/toy.py) is a linear regression with SGD, so the replayed losses
 can be checked against a float64 numpy re-implementation of the same training.
 """
 
@@ -18,11 +18,10 @@ import grain
 import jax
 import numpy as np
 import pytest
+import toy
 
-import stabljax
 from stabljax.control import (
     SCHEMA_VERSION,
-    EventSchemaError,
     IndexedBatches,
     PlainIterator,
     RollbackController,
@@ -30,24 +29,20 @@ from stabljax.control import (
     read_events,
 )
 from stabljax.control.data import GrainDatasetIterator
-from stabljax.control.events import Event, check_schema
 from stabljax.control.triage import is_spike, robust_spikes, window_indices
-
-sys.path.insert(0, str(pathlib.Path(__file__).parent))
-import triage_worker as tw  # noqa: E402
 
 WORKER = pathlib.Path(__file__).with_name("triage_worker.py")
 ROOT = pathlib.Path(__file__).parent.parent
 
 
 def _run(tmp_path, name="ckpt", steps=60, triage=..., **data):
-    state, step = tw.make_toy()
-    kw = tw.controller_kwargs()
+    state, step = toy.triage_toy()
+    kw = toy.triage_controller_kwargs()
     if triage is not ...:
         kw["triage"] = triage
     with RollbackController(tmp_path / name, **kw) as ctl:
         state, it = ctl.run(
-            step, state, IndexedBatches(tw.batch_fn_factory(**data)), steps, progress=False
+            step, state, IndexedBatches(toy.triage_batches(**data)), steps, progress=False
         )
     return ctl, state, it
 
@@ -64,11 +59,11 @@ def _triage_event(ctl):
 def _np_step(w, b, batch, step):
     """One SGD step of the toy in float64: (loss, new w, new b)."""
     x, y = batch["x"].astype(np.float64), batch["y"].astype(np.float64)
-    amp = 1.0 + 1e3 * float(batch["trigger"]) * (step >= tw.STATE_FROM)
+    amp = 1.0 + 1e3 * batch["trigger"].astype(np.float64) * (step >= toy.STATE_FROM)
     r = x @ w + b - y
-    loss = amp * np.mean(r**2)
-    gw = amp * 2.0 * x.T @ r / r.size
-    gb = amp * 2.0 * np.mean(r, axis=0)
+    loss = np.mean(amp * r**2)
+    gw = 2.0 * x.T @ (amp * r) / r.size
+    gb = 2.0 * np.mean(amp * r, axis=0)
     return loss, w - 0.05 * gw, b - 0.05 * gb
 
 
@@ -103,7 +98,7 @@ def test_a_garbage_batch_is_data_and_named_with_its_replayed_losses(tmp_path):
     assert ev["rerun"] == ev["restored"][-1]
     # From two checkpoints back, against float64 numpy: the sequential replay and each
     # batch alone; only batch 35 spikes.
-    batch_fn = tw.batch_fn_factory(bad=[35])
+    batch_fn = toy.triage_batches(bad=[35])
     w20, b20 = _np_params_at(batch_fn, range(20))
     ref = _np_replay(batch_fn, w20, b20, 20, t["indices"])
     np.testing.assert_allclose(ev["earlier"], ref, rtol=2e-4)
@@ -126,7 +121,7 @@ def test_a_spike_that_needs_this_state_is_state(tmp_path):
     ev = t["evidence"]
     assert ev["restored"] == ev["run"] and ev["restored"][-1] > 100 * ev["restored"][0]
     # From checkpoint 20 the trigger batch comes at step 25 < STATE_FROM: no spike.
-    batch_fn = tw.batch_fn_factory(trigger=[35])
+    batch_fn = toy.triage_batches(trigger=[35])
     w20, b20 = _np_params_at(batch_fn, range(20))
     np.testing.assert_allclose(
         ev["earlier"], _np_replay(batch_fn, w20, b20, 20, t["indices"]), rtol=2e-4
@@ -166,8 +161,8 @@ def test_narrow_skip_skips_only_from_the_culprit_and_trains_on_the_rest(tmp_path
     # The final state is exactly a plain loop over the batches fed: 0..34, then 37...
     fed = list(range(35)) + list(range(37, 37 + 25))
     assert it.index == fed[-1] + 1
-    ref, step = tw.make_toy()
-    batch_fn = tw.batch_fn_factory(bad=[35])
+    ref, step = toy.triage_toy()
+    batch_fn = toy.triage_batches(bad=[35])
     for i in fed:
         ref, _ = step(ref, batch_fn(i))
     chex.assert_trees_all_equal(state.params, ref.params)
@@ -189,16 +184,16 @@ def test_triage_false_is_bit_for_bit_the_run_without_it(tmp_path):
         np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
     assert a_ctl.skipped_ranges == b_ctl.skipped_ranges and a_it.index == b_it.index
     assert a_ctl.rollbacks == b_ctl.rollbacks == 1
-    assert tw.comparable(a_ctl.events) == tw.comparable(b_ctl.events)
-    on_disk = [tw.comparable(read_events(tmp_path / n / "events.jsonl")) for n in "ab"]
+    assert toy.comparable(a_ctl.events) == toy.comparable(b_ctl.events)
+    on_disk = [toy.comparable(read_events(tmp_path / n / "events.jsonl")) for n in "ab"]
     assert on_disk[0] == on_disk[1]
     # Triage on (whole-window skip) never touches the run's buffers, though the step
     # donates: the same final state, and the same events but its own.
     c_ctl, c_state, _ = runs["true"]
     for x, y in zip(jax.tree.leaves(a_state), jax.tree.leaves(c_state), strict=True):
         np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
-    c_events = [e for e in tw.comparable(c_ctl.events) if e["kind"] != "triage"]
-    assert c_events == tw.comparable(a_ctl.events)
+    c_events = [e for e in toy.comparable(c_ctl.events) if e["kind"] != "triage"]
+    assert c_events == toy.comparable(a_ctl.events)
     assert c_ctl.skipped_ranges == a_ctl.skipped_ranges
 
 
@@ -220,34 +215,32 @@ def test_time_budget_stops_with_inconclusive(tmp_path):
     assert t["steps"] == 0 and t["replayed"] == []
 
 
-def test_without_a_train_step_triage_says_so(tmp_path):
-    state, step = tw.make_toy()
-    data = IndexedBatches(tw.batch_fn_factory(bad=[35]))
-    with RollbackController(tmp_path, triage=True, **tw.controller_kwargs()) as ctl:
+def _hand_written_loop(tmp_path, triage, state, step):
+    """50 steps of a loop calling ``ctl.step`` (not ``run``), bad batch 35: the triage event."""
+    data = IndexedBatches(toy.triage_batches(bad=[35]))
+    with RollbackController(tmp_path, triage=triage, **toy.triage_controller_kwargs()) as ctl:
         state, data = ctl.restore_or_init(state, data)
         while ctl.current_step < 50:
             state, metrics = step(state, next(data))
             state, data = ctl.step(state, metrics, data)
-    t = _triage_event(ctl)
+    return _triage_event(ctl)
+
+
+def test_without_a_train_step_triage_says_so(tmp_path):
+    t = _hand_written_loop(tmp_path, True, *toy.triage_toy())
     assert t["verdict"] == "inconclusive" and "RollbackController.run" in t["reason"]
 
 
 def test_in_a_hand_written_loop_triage_replays_the_step_fn_it_is_given(tmp_path):
-    state, step = tw.make_toy()
+    state, step = toy.triage_toy()
     calls = []
 
     def batch_fn(i):
         calls.append(i)
-        return tw.batch_fn_factory(bad=[35])(i)
+        return toy.triage_batches(bad=[35])(i)
 
     cfg = TriageConfig(step_fn=step, batch_fn=batch_fn)
-    data = IndexedBatches(tw.batch_fn_factory(bad=[35]))
-    with RollbackController(tmp_path, triage=cfg, **tw.controller_kwargs()) as ctl:
-        state, data = ctl.restore_or_init(state, data)
-        while ctl.current_step < 50:
-            state, metrics = step(state, next(data))
-            state, data = ctl.step(state, metrics, data)
-    t = _triage_event(ctl)
+    t = _hand_written_loop(tmp_path, cfg, state, step)
     assert t["verdict"] == "data" and t["culprits"] == [35]
     assert len(calls) == t["steps"] == 19  # every replayed batch came from batch_fn
 
@@ -257,7 +250,7 @@ def test_a_replay_keeps_at_most_two_steps_in_flight(tmp_path, monkeypatch):
     # "Bounded dispatch"), and a time budget charged at dispatch would not measure work.
     # So before replayed step k is dispatched, step k - 2's loss must have been waited on
     # (jax.block_until_ready) or fetched (jax.device_get, which waits).
-    state, step = tw.make_toy()
+    state, step = toy.triage_toy()
     losses, waited, late = [], set(), []
     real_wait, real_get = jax.block_until_ready, jax.device_get
 
@@ -354,7 +347,7 @@ def test_a_sigkill_during_triage_resumes_as_if_triage_had_not_started(tmp_path):
         # A rollback event's "losses" shows the last 12 losses the process saw: a restarted
         # process has seen only those since its resume (the controller's behaviour on any
         # restart, triage or not), so that one display field is left out.
-        out = tw.comparable(events)
+        out = toy.comparable(events)
         for e in out:
             if e["kind"] == "rollback":
                 e["details"].pop("losses")
@@ -378,6 +371,7 @@ def test_a_sigkill_during_triage_resumes_as_if_triage_had_not_started(tmp_path):
 
 
 # ----------------------------------------------------------------- events schema
+# The schema itself is tested in test_events.py; here, that a real run writes it.
 
 
 def test_every_event_line_carries_the_schema_version(tmp_path):
@@ -386,30 +380,6 @@ def test_every_event_line_carries_the_schema_version(tmp_path):
     assert lines and all(json.loads(line)["schema"] == SCHEMA_VERSION == "1.1" for line in lines)
     kinds = {json.loads(line)["kind"] for line in lines}
     assert {"save", "spike", "rollback", "skip", "triage", "restore"} <= kinds
-
-
-def test_an_unknown_major_schema_version_is_an_error_and_none_reads_as_1_0(tmp_path):
-    path = tmp_path / "events.jsonl"
-    old = {"kind": "save", "step": 10, "time": 0.0, "details": {}}
-    path.write_text(json.dumps(old) + "\n" + json.dumps({**old, "schema": "1.7"}) + "\n")
-    assert [e.step for e in read_events(path)] == [10, 10]
-    with path.open("a") as f:
-        f.write(json.dumps({**old, "schema": "2.0"}) + "\n")
-    with pytest.raises(EventSchemaError, match="2.0"):
-        read_events(path)
-    for bad in ("2.0", "1", "x.y", None, 1.0):
-        with pytest.raises(EventSchemaError):
-            check_schema(bad)
-    with pytest.raises(EventSchemaError):
-        Event.from_dict({**old, "schema": "3.1"})
-    assert stabljax.EventSchemaError is EventSchemaError
-
-
-def test_docs_events_md_documents_every_kind():
-    text = (ROOT / "docs" / "events.md").read_text()
-    for kind in stabljax.control.EVENT_KINDS:
-        assert f"`{kind}`" in text, kind
-    assert f"`{SCHEMA_VERSION}`" in text
 
 
 # ------------------------------------------------------ narrowed skips, every data kind
@@ -435,10 +405,10 @@ def _grain_loader(batch_fn, n=200):
     ids=["indexed", "grain-dataset", "grain-loader"],
 )
 def test_a_narrowed_skip_moves_every_seekable_kind_back_to_the_checkpoint(tmp_path, make):
-    state, step = tw.make_toy()
-    batch_fn = tw.batch_fn_factory(bad=[35])
+    state, step = toy.triage_toy()
+    batch_fn = toy.triage_batches(bad=[35])
     triage = TriageConfig(narrow_skip=True, batch_fn=batch_fn)  # replays read by index
-    with RollbackController(tmp_path, **dict(tw.controller_kwargs(), triage=triage)) as ctl:
+    with RollbackController(tmp_path, **dict(toy.triage_controller_kwargs(), triage=triage)) as ctl:
         state, it = ctl.run(step, state, make(batch_fn), 60, progress=False)
     t = _triage_event(ctl)
     assert t["verdict"] == "data" and t["narrowed"]
@@ -446,7 +416,7 @@ def test_a_narrowed_skip_moves_every_seekable_kind_back_to_the_checkpoint(tmp_pa
     # Exactly a plain loop over the batches fed (30..34 again after the rollback to 30).
     fed = list(range(35)) + list(range(37, 37 + 25))
     assert it.index == fed[-1] + 1
-    ref, plain = tw.make_toy()
+    ref, plain = toy.triage_toy()
     for i in fed:
         ref, _ = plain(ref, batch_fn(i))
     chex.assert_trees_all_equal(state.params, ref.params)
@@ -461,11 +431,11 @@ def test_a_narrowed_skip_moves_every_seekable_kind_back_to_the_checkpoint(tmp_pa
     ids=["plain", "grain-filtered"],
 )
 def test_a_narrowed_skip_on_data_that_cannot_go_back_is_refused_before_training(tmp_path, make):
-    state, _ = tw.make_toy()
-    kw = dict(tw.controller_kwargs(), triage=TriageConfig(narrow_skip=True))
+    state, _ = toy.triage_toy()
+    kw = dict(toy.triage_controller_kwargs(), triage=TriageConfig(narrow_skip=True))
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", RuntimeWarning)
-        data = make(tw.batch_fn_factory())
+        data = make(toy.triage_batches())
     with RollbackController(tmp_path, **kw) as ctl:
         with pytest.raises(ValueError, match="narrow_skip=True.*cannot move back"):
             ctl.restore_or_init(state, data)

@@ -8,18 +8,13 @@ import struct
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from ctl_worker import batch_fn_factory, make_toy, toy_detectors
+from toy import batch_fn_factory, toy_problem
+from toy import toy_controller as _controller
 
-from stabljax.control import IndexedBatches, JsonlMetricsWriter, RollbackController
+from stabljax.control import IndexedBatches, JsonlMetricsWriter
 from stabljax.control.writers import TensorBoardMetricsWriter, host_metrics
 
-STATE0, STEP = make_toy()
-
-
-def _controller(directory):
-    return RollbackController(
-        directory, save_every=10, keep=3, rollback_margin=10, detectors=toy_detectors()
-    )
+STATE0, STEP = toy_problem()
 
 
 def test_host_metrics_flattens_scalars_and_drops_arrays():
