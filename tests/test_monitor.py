@@ -49,7 +49,9 @@ def _monitor(*detectors):
 def test_only_the_scalars_some_detector_reads_are_fetched():
     a, b = _Threshold("a", keys=("loss",)), _Threshold("b", keys=("grad_norm",))
     monitor, _ = _monitor(a, b)
-    assert monitor.keys == {"loss", "grad_norm"}
+    # The detectors' keys, plus what the monitor itself reads (the skip flag for the
+    # recent losses, the guards' re-baseline count for its events).
+    assert monitor.keys == {"loss", "grad_norm", "skipped", "spike_rebaselines"}
     unread = CountedReads(0.1)
     metrics = {
         "loss": jnp.float32(1.5),
@@ -139,6 +141,14 @@ def test_the_recent_losses_keep_64_steps_and_a_rollback_trims_them():
     assert monitor.losses_before(100)[-1] == [59, 59.0, False]
 
 
+def test_a_loss_only_detector_still_gets_the_skip_flags_recorded():
+    monitor, _ = _monitor(_Threshold(keys=("loss",), limit=1e9))
+    unread = CountedReads(0.1)
+    monitor.observe(3, {"loss": jnp.float32(2.0), "skipped": jnp.bool_(True), "lr": unread})
+    assert list(monitor.recent) == [(3, 2.0, True)] and unread.reads == 0
+    assert monitor.losses_before(4) == [[3, 2.0, True]]
+
+
 def test_the_checkpoint_part_round_trips_and_a_missing_detector_state_is_empty():
     a, b = _Threshold("a"), _Threshold("b")
     monitor, _ = _monitor(a, b)
@@ -147,6 +157,7 @@ def test_the_checkpoint_part_round_trips_and_a_missing_detector_state_is_empty()
     assert meta == {
         "detectors": {"a": {"seen": 1}, "b": {"seen": 1}},
         "ema": [(1 - EMA_DECAY) * 2.0, 1],
+        "spike_rebaselines": None,  # no guard count in these metrics
     }
     fresh_a, fresh_b = _Threshold("a"), _Threshold("b")
     fresh, _ = _monitor(fresh_a, fresh_b)

@@ -41,12 +41,13 @@ class Monitor:
                 raise TypeError(f"detectors: {d!r} lacks the Detector interface")
         if len(set(names)) != len(names):
             raise ValueError(f"detector names must be unique, got {names}")
-        # Only the metrics some detector reads are fetched (each fetch is a host transfer).
+        # Only the metrics some detector reads, and the ones read here, are fetched (each
+        # fetch is a host transfer).
         wanted = [getattr(d, "keys", None) for d in self.detectors]
         self.keys = (
             None
             if any(k is None for k in wanted)
-            else frozenset({LOSS, SPIKE_REBASELINES}.union(*wanted))
+            else frozenset({LOSS, SKIPPED, SPIKE_REBASELINES}.union(*wanted))
         )
         self.rolls_back_to_best = any(
             getattr(d, "action", "") == "rollback_best" for d in self.detectors
