@@ -4,7 +4,7 @@ A 12-layer, 32-wide reference model (no clipping, no weight decay) trained under
 scheme of :mod:`stabljax.init` named here: 0.02 everywhere (``fixed:0.02``, the
 unremedied arm), GPT-2's 0.02 with residual outputs scaled by 1/√(2L) (``gpt2``), Nguyen &
 Salazar's small init (``small_init``) and per-layer depth scaling (``depth_scaled``).
-Before training :func:`stabljax.check_init` reports the residual growth and its flags;
+Before training :func:`stabljax.init.check_init` reports the residual growth and its flags;
 during training every step records the loss and the largest residual-stream RMS.
 
 Failure metric: bursts (steps whose loss exceeds 1.5× its running minimum) summed over
@@ -26,17 +26,13 @@ References:
 from __future__ import annotations
 
 import dataclasses
-import pathlib
-import sys
-
-if __package__ in (None, ""):
-    sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
 import numpy as np
 
 import stabljax
 from experiments import cli, common, plots, proxy, stats
 from experiments.trainer import Trainer
+from stabljax.init import InitReport, check_init
 
 SCHEMES = ("fixed:0.02", "gpt2", "small_init", "depth_scaled")
 
@@ -55,11 +51,11 @@ class Config(proxy.SweepConfig):
         return cls(**base, lrs=(1.0,), schemes=("fixed:0.02", "gpt2"))
 
 
-def check(s: proxy.Setup, scheme: str, seed: int, apply_fn) -> stabljax.InitReport:
+def check(s: proxy.Setup, scheme: str, seed: int, apply_fn) -> InitReport:
     """``check_init`` on the model the run starts from (same seed, same first batch)."""
     s = dataclasses.replace(s, init_scheme=scheme, seed=seed)
     _, params = proxy.initial_model(s)
-    return stabljax.check_init(apply_fn, params, proxy.corpus_batches(s)(0))
+    return check_init(apply_fn, params, proxy.corpus_batches(s)(0))
 
 
 def run(cfg: Config, bar) -> tuple[list[dict], dict]:
@@ -201,4 +197,4 @@ def main(argv=None) -> dict:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    main()

@@ -2,11 +2,11 @@
 
 The reference model (no clipping, no weight decay) trained four ways over an LR grid:
 float32; bfloat16 compute (float32 master weights, optimizer state and loss); float16
-compute with no loss scale; float16 with :class:`stabljax.DynamicLossScale` (skip and
-halve on overflow, double after ``growth_interval`` clean steps). The model computes in the
-arm's compute dtype (``proxy.model_config``). At high learning rates the residual stream grows
-past float16's 65504 (attention scores and output logits are computed in float32 by
-:mod:`stabljax.nn`, so it is the activations that overflow).
+compute with no loss scale; float16 with :class:`~stabljax.precision.DynamicLossScale` (skip
+and halve on overflow, double after ``growth_interval`` clean steps). The model computes
+in the arm's compute dtype (``proxy.model_config``). At high learning rates the residual
+stream grows past float16's 65504 (attention scores and output logits are computed in
+float32 by :mod:`stabljax.reference.nn`, so it is the activations that overflow).
 
 Failure metric: failed runs (final loss non-finite or above its loss at init), summed
 over the grid per seed; the steps with a non-finite training loss are reported beside it.
@@ -24,11 +24,6 @@ References:
 from __future__ import annotations
 
 import dataclasses
-import pathlib
-import sys
-
-if __package__ in (None, ""):
-    sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
 import numpy as np
 
@@ -201,4 +196,4 @@ def main(argv=None) -> dict:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    main()

@@ -32,10 +32,6 @@ from __future__ import annotations
 
 import dataclasses
 import pathlib
-import sys
-
-if __package__ in (None, ""):
-    sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
 import jax
 import numpy as np
@@ -384,4 +380,4 @@ def main(argv=None) -> dict:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    main()

@@ -20,7 +20,7 @@ loss with its interval, steps lost (compute steps beyond ``steps``), batches ski
 rollbacks and the bad updates applied in the final trajectory; effects are paired per seed
 against ``unguarded`` (a diverged run counts as its loss at init).
 
-    python experiments/spike_recovery.py [--quick] [--steps 400] [--seeds 0 1 2] ...
+    python -m experiments.spike_recovery [--quick] [--steps 400] [--seeds 0 1 2] ...
 """
 
 from __future__ import annotations
@@ -28,11 +28,7 @@ from __future__ import annotations
 import dataclasses
 import pathlib
 import shutil
-import sys
 import time
-
-if __package__ in (None, ""):  # run as a script: make `experiments` importable
-    sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
 import jax
 import numpy as np
@@ -48,14 +44,10 @@ TRIAGE_KEYS = ("verdict", "reason", "window", "culprits", "narrowed")
 
 
 @dataclasses.dataclass(frozen=True)
-class Config:
+class Config(proxy.ModelSize):
+    n_heads: int = 2
     steps: int = 400
     lr: float = 3e-3
-    d_model: int = 32
-    n_layers: int = 2
-    n_heads: int = 2
-    seq_len: int = 32
-    batch_size: int = 8
     seeds: tuple[int, ...] = (0, 1, 2)
     garbage_start: int = 150
     garbage_len: int = 30
@@ -94,23 +86,13 @@ class Config:
         """PaLM's ~100 steps before the onset, scaled to the run length."""
         return max(self.save_every, self.steps // 8)
 
-    def setup(self, seed: int) -> proxy.Setup:
-        return proxy.Setup(
-            d_model=self.d_model,
-            n_layers=self.n_layers,
-            n_heads=self.n_heads,
-            seq_len=self.seq_len,
-            batch_size=self.batch_size,
-            lr=self.lr,
-            steps=self.steps,
-            seed=seed,
-            corpus=self.corpus,
-        )
+    def setup(self, **fields) -> proxy.Setup:
+        return super().setup(lr=self.lr, steps=self.steps, corpus=self.corpus, **fields)
 
 
 def run_arm(cfg: Config, progs: Programs, arm: str, seed: int, dirs: tuple, bar):
     workdir, report_dir = dirs
-    s = cfg.setup(seed)
+    s = cfg.setup(seed=seed)
     kind = "guarded" if arm in ("guards", "both") else "plain"
     _, params = proxy.initial_model(s)
     params = jax.device_put(params, progs.rep)
@@ -132,7 +114,7 @@ def run_arm(cfg: Config, progs: Programs, arm: str, seed: int, dirs: tuple, bar)
         ckpt = workdir / f"{arm}-{seed}"
         # The "both" arm also triages each rollback (replays the window to name the cause)
         # and logs every step's metrics, which the stability report reads.
-        triage = arm == "both" and stabljax.TriageConfig(
+        triage = arm == "both" and stabljax.control.TriageConfig(
             step_fn=step, batch_fn=lambda i: progs.put(source(i))
         )
         ctl = stabljax.RollbackController(
@@ -145,9 +127,9 @@ def run_arm(cfg: Config, progs: Programs, arm: str, seed: int, dirs: tuple, bar)
             rollback_margin=cfg.margin,
             extra_skip=cfg.garbage_len,
             detectors=[
-                stabljax.SpikeDetector(),
-                stabljax.DivergenceDetector(),
-                stabljax.SlowDivergenceDetector(),
+                stabljax.control.SpikeDetector(),
+                stabljax.control.DivergenceDetector(),
+                stabljax.control.SlowDivergenceDetector(),
             ],
         )
         expected: list[int] = []
@@ -162,12 +144,12 @@ def run_arm(cfg: Config, progs: Programs, arm: str, seed: int, dirs: tuple, bar)
             bar.update(1)
             return state, m
 
-        writer = stabljax.JsonlMetricsWriter(ckpt / "metrics.jsonl") if triage else None
+        writer = stabljax.control.JsonlMetricsWriter(ckpt / "metrics.jsonl") if triage else None
         try:
             state, data = ctl.run(
                 tick,
                 state,
-                stabljax.IndexedBatches(batch_fn),
+                stabljax.control.IndexedBatches(batch_fn),
                 cfg.steps,
                 progress=False,
                 metrics_writer=writer,
@@ -375,4 +357,4 @@ def main(argv=None) -> dict:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    main()

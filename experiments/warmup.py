@@ -20,11 +20,6 @@ References:
 from __future__ import annotations
 
 import dataclasses
-import pathlib
-import sys
-
-if __package__ in (None, ""):
-    sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
 import numpy as np
 
@@ -176,4 +171,4 @@ def main(argv=None) -> dict:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    main()
