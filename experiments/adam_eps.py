@@ -181,10 +181,10 @@ def summarize(cfg: Config, rows: list[dict]) -> tuple[dict, dict]:
             )
     stall = effects[big][tiny]["stall_vs_x1"]
     summary = stats.summary(
+        cfg,
         instability_reproduced=bool(stall["ci95"][0] > 0),
         failure_metric=f"eps 1e-8 final loss at {tiny} above its x1 loss (paired CI > 0)",
         remedies=remedies,
-        seeds=len(cfg.seeds),
         sizes=[f"d{d}" for d in cfg.widths],
     )
     return summary, effects
@@ -262,7 +262,6 @@ def main(argv=None) -> dict:
         ylabel="gradient RMS",
         logy=True,
     )
-    print(table)
     return res
 
 

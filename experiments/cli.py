@@ -173,7 +173,9 @@ class Invocation:
         summary: dict[str, Any] | None = None,
         stem: str = "results",
     ) -> pathlib.Path:
-        """``<stem>.json`` and ``<stem>.md`` in ``out``, with the command line and wall time."""
+        """``<stem>.json`` and ``<stem>.md`` in ``out``, with the command line and wall time;
+        prints ``table``."""
+        print(table)
         return common.write_results(
             self.out,
             config=self.cfg,
@@ -205,9 +207,7 @@ class Invocation:
             for k, v in results["ratios"].items()
         ]
         table = common.markdown_table(rows) + "\n" + common.markdown_table(ratios)
-        stem = stem or self.name.rpartition(".")[2]
-        self.write(results, table=table, title=title, stem=stem)
-        print(table)
+        self.write(results, table=table, title=title, stem=stem or self.name.rpartition(".")[2])
         return results
 
 

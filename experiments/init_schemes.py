@@ -124,12 +124,11 @@ def summarize(cfg: Config, rows: list[dict]) -> tuple[dict, dict]:
     }
     b = [r for r in rows if r["scheme"] == base]
     summary = stats.summary(
+        cfg,
         instability_reproduced=any(r["failed"] for r in b)
         or float(np.mean([r["bursts"] for r in b])) >= 0.05 * cfg.steps,
         failure_metric="bursts >= 5% of steps or final > init, fixed:0.02 init",
         remedies=remedies,
-        seeds=len(cfg.seeds),
-        sizes=[f"d{cfg.d_model}x{cfg.n_layers}"],
     )
     return summary, effects
 
@@ -173,26 +172,15 @@ def tables(cfg: Config, rows: list[dict], effects: dict) -> str:
 
 def main(argv=None) -> dict:
     ex = cli.start(Config, argv, __doc__, name="init_schemes")
-    cfg, out = ex.cfg, ex.out
-    rows, curves = ex.sweep(
-        len(cfg.schemes) * len(cfg.lrs) * len(cfg.seeds) * cfg.steps, lambda bar: run(cfg, bar)
-    )
-    summary, effects = summarize(cfg, rows)
-    table = tables(cfg, rows, effects)
-    res = {
-        "rows": rows,
-        "effects": effects,
-        "losses": {f"{sc}@{lr:g}": c for (sc, lr), c in curves.items()},
-    }
+    cfg = ex.cfg
+    runs = len(cfg.schemes) * len(cfg.lrs) * len(cfg.seeds)
+    rows, curves = ex.sweep(runs * cfg.steps, lambda bar: run(cfg, bar))
+    res = {"rows": rows, "losses": {f"{sc}@{lr:g}": c for (sc, lr), c in curves.items()}}
+    summary, res["effects"] = summarize(cfg, rows)
+    table = tables(cfg, rows, res["effects"])
     ex.write(res, table=table, title="Initialisation schemes", summary=summary)
-    plots.curves(
-        {f"lr {lr:g}": {sc: curves[(sc, lr)] for sc in cfg.schemes} for lr in cfg.lrs},
-        path=out / "init.png",
-        xlabel="step",
-        ylabel="training loss (nats/byte)",
-        logy=True,
-    )
-    print(table)
+    panels = {f"lr {lr:g}": {sc: curves[(sc, lr)] for sc in cfg.schemes} for lr in cfg.lrs}
+    plots.loss_curves(panels, ex.out / "init.png")
     return res
 
 

@@ -151,10 +151,10 @@ def summarize(cfg: Config, rows: list[dict]) -> tuple[dict, dict]:
     }
     top = [r for r in rows if r["arm"] == "base" and r["lr"] == max(cfg.lrs)]
     summary = stats.summary(
+        cfg,
         instability_reproduced=any(r["failed"] for r in top),
         failure_metric="final loss > init or non-finite, base arm at the top LR",
         remedies=remedies,
-        seeds=len(cfg.seeds),
         sizes=sizes,
     )
     return summary, effects
@@ -276,7 +276,6 @@ def main(argv=None) -> dict:
         ylabel="mean log Z of the output",
         logy=True,
     )
-    print(table)
     return res
 
 

@@ -113,11 +113,10 @@ def summarize(cfg: Config, rows: list[dict]) -> tuple[dict, dict]:
         remedies[f"{arm} vs {BASE}"] = stats.remedy(FAILED, failed, mech, label)
     b = [r for r in rows if r["arm"] == BASE]
     summary = stats.summary(
+        cfg,
         instability_reproduced=any(r["failed"] for r in b),
         failure_metric=FAILED + ", fp16 compute without a loss scale",
         remedies=remedies,
-        seeds=len(seeds),
-        sizes=[f"d{cfg.d_model}x{cfg.n_layers}"],
         note=(
             "a loss scale guards the gradients' range, not the forward pass's: where the "
             "activations overflow, fp16 with the scaler skips almost every step and fails too"
@@ -172,26 +171,16 @@ def tables(cfg: Config, rows: list[dict], effects: dict) -> str:
 
 def main(argv=None) -> dict:
     ex = cli.start(Config, argv, __doc__, name="precision")
-    cfg, out = ex.cfg, ex.out
-    rows, curves = ex.sweep(
-        len(cfg.arms) * len(cfg.lrs) * len(cfg.seeds) * cfg.steps, lambda bar: run(cfg, bar)
-    )
+    cfg = ex.cfg
+    total = len(cfg.arms) * len(cfg.lrs) * len(cfg.seeds) * cfg.steps
+    rows, curves = ex.sweep(total, lambda bar: run(cfg, bar))
     summary, effects = summarize(cfg, rows)
-    table = tables(cfg, rows, effects)
-    res = {
-        "rows": rows,
-        "effects": effects,
-        "losses_top_lr_every_5": {a: c[:, ::5] for a, c in curves.items()},
-    }
-    ex.write(res, table=table, title="Mixed precision at high learning rates", summary=summary)
-    plots.curves(
-        {f"lr {max(cfg.lrs):g}: training loss": curves},
-        path=out / "precision.png",
-        xlabel="step",
-        ylabel="training loss (nats/byte)",
-        logy=True,
-    )
-    print(table)
+    losses = {a: c[:, ::5] for a, c in curves.items()}
+    res = {"rows": rows, "effects": effects, "losses_top_lr_every_5": losses}
+    title = "Mixed precision at high learning rates"
+    ex.write(res, table=tables(cfg, rows, effects), title=title, summary=summary)
+    panels = {f"lr {max(cfg.lrs):g}: training loss": curves}
+    plots.loss_curves(panels, ex.out / "precision.png")
     return res
 
 

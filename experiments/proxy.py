@@ -205,6 +205,20 @@ class ModelSize:
 
 
 @dataclasses.dataclass(frozen=True)
+class BenchSize(ModelSize):
+    """The reference model the benchmarks time by default: about 10.8M parameters."""
+
+    d_model: int = 384
+    n_layers: int = 6
+    n_heads: int = 6
+    seq_len: int = 128
+
+
+#: The model of a benchmark's ``--quick`` smoke run: ``Config(**QUICK_SIZE, ...)``.
+QUICK_SIZE = {"d_model": 32, "n_layers": 1, "n_heads": 2, "seq_len": 16, "batch_size": 2}
+
+
+@dataclasses.dataclass(frozen=True)
 class SweepConfig(ModelSize):
     """The fields every sweep experiment shares; each experiment subclasses it.
 

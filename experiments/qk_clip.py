@@ -233,12 +233,11 @@ def summarize(cfg: Config, rows: list[dict]) -> tuple[dict, dict]:
     top = [r for r in rows if r["arm"] == "none" and r["lr"] == max(cfg.lrs(r["optimizer"]))]
     reproduced = float(np.mean([r["late_max_attn_logit"] for r in top])) > cfg.tau
     summary = stats.summary(
+        cfg,
         instability_reproduced=reproduced,
         failure_metric=f"no-control max attention logit (last quarter) above tau={cfg.tau:g} "
         "at the top LR, seed mean",
         remedies=remedies,
-        seeds=len(cfg.seeds),
-        sizes=[f"d{cfg.d_model}x{cfg.n_layers}"],
         note="primary metric fixed in code before the run; paired t-intervals, exact "
         "sign-flip p, Holm over every (optimizer, remedy, LR) row",
     )
@@ -375,7 +374,6 @@ def main(argv=None) -> dict:
     }
     ex.write(res, table=table, title="QK-Clip against attention-logit growth", summary=summary)
     figures(cfg, rows, curves, out)
-    print(table)
     return res
 
 

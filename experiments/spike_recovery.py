@@ -270,14 +270,13 @@ def summarize(cfg: Config, runs: list[dict]) -> tuple[dict, dict]:
             "bad updates applied in the final trajectory",
         )
     summary = stats.summary(
+        cfg,
         instability_reproduced=bool(
             arms["unguarded"]["diverged"] > 0
             or stats.below_zero(stats.paired_effect(col("clean", "final_loss", True), base, "x"))
         ),
         failure_metric="unguarded final loss non-finite or above the clean run's (paired CI)",
         remedies=remedies,
-        seeds=len(cfg.seeds),
-        sizes=[f"d{cfg.d_model}x{cfg.n_layers}"],
     )
     return summary, {"arms": arms, "effects": effects}
 
@@ -347,7 +346,6 @@ def main(argv=None) -> dict:
         cap=8.0,
         marks={f"{a} (x: step calls)": [cfg.garbage_start, *cfg.traps] for a in ARMS},
     )
-    print(text)
     for r in runs:
         if "report" in r:
             print(f"stability report (both, seed {r['seed']}): {out / r['report']}")

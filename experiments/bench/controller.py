@@ -27,7 +27,7 @@ import jax
 
 import stabljax
 from experiments import cli
-from experiments.proxy import ModelSize, adamw, build_model, corpus_batches
+from experiments.proxy import QUICK_SIZE, ModelSize, adamw, build_model, corpus_batches
 
 TARGETS = {"steps_per_s_controlled/bare": 0.97, "steps_per_s_controlled+background/bare": 0.97}
 
@@ -43,16 +43,7 @@ class Config(ModelSize):
 
     @classmethod
     def quick(cls) -> Config:
-        return cls(
-            d_model=32,
-            n_layers=1,
-            n_heads=2,
-            seq_len=16,
-            batch_size=2,
-            steps=10,
-            save_every=5,
-            rounds=1,
-        )
+        return cls(**QUICK_SIZE, steps=10, save_every=5, rounds=1)
 
 
 def run(cfg: Config) -> tuple[list[dict], dict]:

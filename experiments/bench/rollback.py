@@ -28,25 +28,20 @@ import jax
 
 import stabljax
 from experiments import cli
-from experiments.proxy import ModelSize, adamw, build_model
+from experiments.proxy import QUICK_SIZE, BenchSize, adamw, build_model
 
 TARGETS = {"skip_s": 0.010}
 
 
 @dataclasses.dataclass(frozen=True)
-class Config(ModelSize):
-    d_model: int = 384
-    n_layers: int = 6
-    n_heads: int = 6
-    seq_len: int = 128
-    batch_size: int = 16
+class Config(BenchSize):
     repeats: int = 5
     skip_batches: int = 10**6
     seed: int = 0
 
     @classmethod
     def quick(cls) -> Config:
-        return cls(d_model=32, n_layers=1, n_heads=2, seq_len=16, repeats=1)
+        return cls(**QUICK_SIZE, repeats=1)
 
 
 def _read_all(path: pathlib.Path) -> int:

@@ -40,7 +40,7 @@ import stabljax
 from experiments import cli
 from experiments.bench import aot_tpu
 from experiments.bench.timing import compiled_cost, interleaved_medians
-from experiments.proxy import ModelSize, build_model, corpus_batches
+from experiments.proxy import QUICK_SIZE, BenchSize, build_model, corpus_batches
 
 TARGETS = {"wall_guarded/plain": 1.03, "wall_guarded/plain (cpu_options)": 1.03}
 # XLA:TPU (AOT), per model size: bytes against plain, and the guarded step's temp memory
@@ -60,11 +60,7 @@ TPU_TARGETS = {
 
 
 @dataclasses.dataclass(frozen=True)
-class Config(ModelSize):
-    d_model: int = 384
-    n_layers: int = 6
-    n_heads: int = 6
-    seq_len: int = 128
+class Config(BenchSize):
     repeats: int = 7
     lr: float = 1e-3
     z_loss: float = 1e-4
@@ -81,11 +77,7 @@ class Config(ModelSize):
     @classmethod
     def quick(cls) -> Config:
         return cls(
-            d_model=32,
-            n_layers=1,
-            n_heads=2,
-            seq_len=16,
-            batch_size=2,
+            **QUICK_SIZE,
             repeats=2,
             tpu_sizes=("tiny-data", "tiny-fsdp"),
             tpu_vocab=256,
