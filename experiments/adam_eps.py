@@ -213,13 +213,11 @@ def tables(cfg: Config, rows: list[dict], effects: dict) -> str:
             for arm in cfg.arms[1:]:
                 row[f"{arm} − eps 1e-8"] = common.fmt_ci(effects[d][c][arm]["final_loss"])
             e.append(row)
-    return (
-        f"Seed-mean final held-out loss ({len(cfg.seeds)} seeds, lr {cfg.lr:g}, "
-        f"{cfg.steps} steps)\n\n"
-        + common.markdown_table(t)
-        + "\nPaired per-seed differences of the final loss, mean [95 % bootstrap CI]\n\n"
-        + common.markdown_table(e)
+    head = (
+        f"Seed-mean final held-out loss ({len(cfg.seeds)} seeds, lr {cfg.lr:g}, {cfg.steps} steps)"
     )
+    paired = "Paired per-seed differences of the final loss, mean [95 % bootstrap CI]"
+    return common.captioned_tables((head, t), (paired, e))
 
 
 def main(argv=None) -> dict:

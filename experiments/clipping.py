@@ -170,11 +170,9 @@ def tables(cfg: Config, rows: list[dict], effects: dict) -> str:
         }
         for k, v in effects.items()
     ]
-    return (
-        f"Seed means over {len(cfg.seeds)} seeds, {cfg.steps} steps\n\n"
-        + common.markdown_table(t)
-        + "\nPaired per-seed differences, 95 % bootstrap intervals\n\n"
-        + common.markdown_table(e)
+    return common.captioned_tables(
+        (f"Seed means over {len(cfg.seeds)} seeds, {cfg.steps} steps", t),
+        ("Paired per-seed differences, 95 % bootstrap intervals", e),
     )
 
 

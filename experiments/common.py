@@ -62,6 +62,11 @@ def jsonable(x: Any) -> Any:
     return x
 
 
+def captioned_tables(*tables: tuple[str, Sequence[dict[str, Any]]]) -> str:
+    """``(caption, rows)`` pairs as Markdown: each caption, a blank line, its table."""
+    return "\n".join(f"{caption}\n\n{markdown_table(rows)}" for caption, rows in tables)
+
+
 def markdown_table(rows: Sequence[dict[str, Any]], columns: Sequence[str] | None = None) -> str:
     """Renders dict rows as a GitHub Markdown table (floats to 4 significant digits)."""
     if not rows:

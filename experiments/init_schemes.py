@@ -158,12 +158,14 @@ def tables(cfg: Config, rows: list[dict], effects: dict) -> str:
         if k != "check_init"
     ]
     c = effects["check_init"]
-    return (
+    head = (
         f"{cfg.n_layers} layers × d_model {cfg.d_model}, {cfg.steps} steps, no clipping; "
-        f"means over {len(cfg.seeds)} seeds\n\n"
-        + common.markdown_table(t)
-        + "\nPaired per-seed differences, 95 % bootstrap intervals\n\n"
-        + common.markdown_table(e)
+        f"means over {len(cfg.seeds)} seeds"
+    )
+    return (
+        common.captioned_tables(
+            (head, t), ("Paired per-seed differences, 95 % bootstrap intervals", e)
+        )
         + f"\ncheck_init flagged {c['flagged_runs']} runs (mean bursts "
         f"{c['mean_bursts_flagged']:.1f}) and passed {c['unflagged_runs']} (mean bursts "
         f"{c['mean_bursts_unflagged']:.1f}).\n"

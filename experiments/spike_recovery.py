@@ -308,11 +308,9 @@ def table(res: dict) -> str:
         }
         for k, v in res["effects"].items()
     ]
-    return (
-        "Means over seeds (a diverged run's final loss counts as its loss at init)\n\n"
-        + common.markdown_table(rows)
-        + "\nPaired per-seed differences, 95 % bootstrap intervals\n\n"
-        + common.markdown_table(eff)
+    return common.captioned_tables(
+        ("Means over seeds (a diverged run's final loss counts as its loss at init)", rows),
+        ("Paired per-seed differences, 95 % bootstrap intervals", eff),
     )
 
 

@@ -123,11 +123,9 @@ def tables(cfg: Config, rows: list[dict], effects: dict) -> str:
         }
         for k, v in effects.items()
     ]
-    return (
-        f"Seed means over {len(cfg.seeds)} seeds, {cfg.steps} steps, no clipping\n\n"
-        + common.markdown_table(t)
-        + "\nPaired per-seed differences (arm − no warmup), 95 % bootstrap intervals\n\n"
-        + common.markdown_table(e)
+    return common.captioned_tables(
+        (f"Seed means over {len(cfg.seeds)} seeds, {cfg.steps} steps, no clipping", t),
+        ("Paired per-seed differences (arm − no warmup), 95 % bootstrap intervals", e),
     )
 
 
