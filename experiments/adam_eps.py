@@ -33,6 +33,7 @@ import optax
 import stabljax
 from experiments import cli, common, plots, proxy, stats
 from experiments.trainer import Trainer
+from stabljax.telemetry import path_str
 
 ARMS = ("adamw_eps1e-8", "safe_adamw_eps0", "adamw_atan2")
 BASE = "adamw_eps1e-8"
@@ -62,7 +63,7 @@ class Config(proxy.SweepConfig):
 
 def is_shallow(path) -> bool:
     """The embedding and the first block (``blocks/0``), by parameter path."""
-    p = stabljax.telemetry.path_str(path)
+    p = path_str(path)
     return "embed" in p or "blocks/0/" in p or "blocks.0." in p or "layers/0/" in p
 
 

@@ -40,6 +40,7 @@ import optax
 import stabljax
 from experiments import cli, common, plots, proxy, stats
 from experiments.trainer import Trainer
+from stabljax.telemetry import path_str, spike_score
 
 #: The primary metric, declared before the run: lower is better.
 PRIMARY = "final_loss"
@@ -80,7 +81,7 @@ def hidden_kernels(params):
     dims = optax.contrib.MuonDimensionNumbers(reduction_axis=0, output_axis=1)
 
     def label(path, x):
-        name = stabljax.telemetry.path_str(path)
+        name = path_str(path)
         return dims if x.ndim == 2 and name.startswith("blocks/") else None
 
     return jax.tree_util.tree_map_with_path(label, params)
@@ -146,9 +147,7 @@ def run(cfg: Config, bar) -> tuple[list[dict], dict]:
                         "clipped_head_steps": float(np.sum(m["clipped_heads"][i]))
                         if "clipped_heads" in m
                         else 0.0,
-                        "spike_score_loss": stabljax.telemetry.spike_score(
-                            m["loss"][i], window=100, min_history=20
-                        ),
+                        "spike_score_loss": spike_score(m["loss"][i], window=100, min_history=20),
                         "skipped_steps": int(np.sum(m["skipped"][i])),
                     }
                 )
