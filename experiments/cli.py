@@ -152,13 +152,9 @@ class Invocation:
     def elapsed(self) -> float:
         return time.perf_counter() - self.t0
 
-    def progress_bar(self, total: int, desc: str | None = None):
-        """A :func:`experiments.common.progress_bar`, hidden by ``--no-progress``."""
-        return common.progress_bar(total, desc or self.name, disable=self.args.no_progress)
-
     def sweep(self, total: int, run: Callable[[Any], Any]) -> Any:
         """``run(bar)`` under a progress bar of ``total`` steps, closed on error too."""
-        bar = self.progress_bar(total)
+        bar = common.progress_bar(total, self.name, disable=self.args.no_progress)
         try:
             return run(bar)
         finally:
