@@ -78,7 +78,9 @@ def render(readme: str, body: str) -> str:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(
+        prog="python -m experiments.summary_table", description=__doc__.splitlines()[0]
+    )
     p.add_argument("--check", action="store_true", help="exit 1 if the README table is stale")
     args = p.parse_args(argv)
     text = README.read_text()
