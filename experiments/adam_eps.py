@@ -25,11 +25,6 @@ References:
 from __future__ import annotations
 
 import dataclasses
-import pathlib
-import sys
-
-if __package__ in (None, ""):
-    sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
 import jax
 import numpy as np
@@ -38,6 +33,7 @@ import optax
 import stabljax
 from experiments import cli, common, plots, proxy, stats
 from experiments.trainer import Trainer
+from stabljax.telemetry import path_str
 
 ARMS = ("adamw_eps1e-8", "safe_adamw_eps0", "adamw_atan2")
 BASE = "adamw_eps1e-8"
@@ -67,7 +63,7 @@ class Config(proxy.SweepConfig):
 
 def is_shallow(path) -> bool:
     """The embedding and the first block (``blocks/0``), by parameter path."""
-    p = stabljax.telemetry.path_str(path)
+    p = path_str(path)
     return "embed" in p or "blocks/0/" in p or "blocks.0." in p or "layers/0/" in p
 
 
@@ -146,48 +142,35 @@ def run(cfg: Config, bar) -> list[dict]:
     return rows
 
 
-def pick(rows, width, arm, cond, key, seeds):
-    return [
-        next(
-            r[key]
-            for r in rows
-            if (r["width"], r["arm"], r["condition"], r["seed"]) == (width, arm, cond, sd)
-        )
-        for sd in seeds
-    ]
-
-
 def summarize(cfg: Config, rows: list[dict]) -> tuple[dict, dict]:
     effects = {}
     conds = [c for c, _, _ in conditions(cfg)]
     ref = conds[0]
     for d in cfg.widths:
+
+        def at(key, arm, cond, d=d):  # one value per seed, in cfg.seeds order
+            return stats.per_seed(rows, key, cfg.seeds, width=d, arm=arm, condition=cond)
+
         effects[d] = {}
         for c in conds:
-            base = pick(rows, d, BASE, c, "final_loss", cfg.seeds)
+            base = at("final_loss", BASE, c)
             e = {
-                "stall_vs_x1": stats.paired_effect(
-                    base, pick(rows, d, BASE, ref, "final_loss", cfg.seeds), "final loss"
-                )
+                "stall_vs_x1": stats.paired_effect(base, at("final_loss", BASE, ref), "final loss")
             }
             for arm in cfg.arms[1:]:
                 e[arm] = {
-                    "final_loss": stats.paired_effect(
-                        pick(rows, d, arm, c, "final_loss", cfg.seeds), base, "final loss"
-                    ),
+                    "final_loss": stats.paired_effect(at("final_loss", arm, c), base, "final loss"),
                     "mechanism": stats.moved(
-                        pick(rows, d, arm, c, "log10_update_norm", cfg.seeds),
-                        pick(rows, d, BASE, c, "log10_update_norm", cfg.seeds),
+                        at("log10_update_norm", arm, c),
+                        at("log10_update_norm", BASE, c),
                         direction=+1,
                     ),
                     "shift_vs_x1": stats.paired_effect(
-                        pick(rows, d, arm, c, "final_loss", cfg.seeds),
-                        pick(rows, d, arm, ref, "final_loss", cfg.seeds),
-                        "final loss",
+                        at("final_loss", arm, c), at("final_loss", arm, ref), "final loss"
                     ),
                 }
             effects[d][c] = e
-        effects[d]["grad_rms_x1"] = stats.interval(pick(rows, d, BASE, ref, "grad_rms", cfg.seeds))
+        effects[d]["grad_rms_x1"] = stats.interval(at("grad_rms", BASE, ref))
     big, tiny = cfg.widths[-1], f"x{min(cfg.scales):g}"
     shallow = conds[-1]
     remedies = {}
@@ -199,10 +182,10 @@ def summarize(cfg: Config, rows: list[dict]) -> tuple[dict, dict]:
             )
     stall = effects[big][tiny]["stall_vs_x1"]
     summary = stats.summary(
+        cfg,
         instability_reproduced=bool(stall["ci95"][0] > 0),
         failure_metric=f"eps 1e-8 final loss at {tiny} above its x1 loss (paired CI > 0)",
         remedies=remedies,
-        seeds=len(cfg.seeds),
         sizes=[f"d{d}" for d in cfg.widths],
     )
     return summary, effects
@@ -215,7 +198,8 @@ def tables(cfg: Config, rows: list[dict], effects: dict) -> str:
         for arm in cfg.arms:
             row = {"width": d, "arm": arm}
             for c in conds:
-                row[c] = f"{np.mean(pick(rows, d, arm, c, 'final_loss', cfg.seeds)):.3f}"
+                loss = stats.per_seed(rows, "final_loss", cfg.seeds, width=d, arm=arm, condition=c)
+                row[c] = f"{np.mean(loss):.3f}"
             t.append(row)
     e = []
     for d in cfg.widths:
@@ -230,13 +214,11 @@ def tables(cfg: Config, rows: list[dict], effects: dict) -> str:
             for arm in cfg.arms[1:]:
                 row[f"{arm} − eps 1e-8"] = common.fmt_ci(effects[d][c][arm]["final_loss"])
             e.append(row)
-    return (
-        f"Seed-mean final held-out loss ({len(cfg.seeds)} seeds, lr {cfg.lr:g}, "
-        f"{cfg.steps} steps)\n\n"
-        + common.markdown_table(t)
-        + "\nPaired per-seed differences of the final loss, mean [95 % bootstrap CI]\n\n"
-        + common.markdown_table(e)
+    head = (
+        f"Seed-mean final held-out loss ({len(cfg.seeds)} seeds, lr {cfg.lr:g}, {cfg.steps} steps)"
     )
+    paired = "Paired per-seed differences of the final loss, mean [95 % bootstrap CI]"
+    return common.captioned_tables((head, t), (paired, e))
 
 
 def main(argv=None) -> dict:
@@ -279,9 +261,8 @@ def main(argv=None) -> dict:
         ylabel="gradient RMS",
         logy=True,
     )
-    print(table)
     return res
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    main()

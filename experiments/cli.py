@@ -1,10 +1,11 @@
-"""Config dataclass -> command line, joining a multi-process run, and one invocation.
+"""The one command line of every experiment and benchmark: ``python -m experiments.<name>``.
 
-Every field of an experiment's frozen config becomes ``--field-name`` (listed in
-``--help`` with its default); ``--quick`` starts from ``Config.quick()``; ``--out`` picks
-the results folder. :func:`start` does all of that and returns an :class:`Invocation`,
-which runs the sweep under a progress bar and writes the results with the command line
-and wall time.
+Every field of a frozen config becomes ``--field-name`` (listed in ``--help`` with its
+default); ``--quick`` starts from ``Config.quick()``; ``--out`` picks the results folder.
+:func:`start` does all of that and returns an :class:`Invocation`, which runs a sweep under
+a progress bar and writes the results with the command line and wall time: an
+experiment's ``results.json``/``.md`` (:meth:`Invocation.write`) or a benchmark's
+``<name>.json``/``.md`` with its ratios against their targets (:meth:`Invocation.report`).
 """
 
 from __future__ import annotations
@@ -50,15 +51,21 @@ class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
         return super()._get_help_string(action)
 
 
-def parse_config(cls: type, argv: Sequence[str] | None, description: str, *, name: str):
+def parse_config(
+    cls: type, argv: Sequence[str] | None, description: str, *, name: str, out: pathlib.Path
+):
     """Builds an argparse CLI from a frozen dataclass; returns ``(config, args)``.
 
-    ``args.command`` is the command line as run (recorded in results.json).
+    ``args.command`` is the command line as run (recorded in the results).
     """
     hints = typing.get_type_hints(cls)
-    p = argparse.ArgumentParser(description=description, formatter_class=_HelpFormatter)
+    p = argparse.ArgumentParser(
+        prog=f"python -m experiments.{name}",
+        description=description,
+        formatter_class=_HelpFormatter,
+    )
     p.add_argument("--quick", action="store_true", help="tiny smoke-run configuration")
-    p.add_argument("--out", default=str(RESULTS / name), help="results folder")
+    p.add_argument("--out", default=str(out), help="results folder")
     p.add_argument("--no-progress", action="store_true", help="hide the progress bar")
     g = p.add_argument_group(
         "multi-process runs",
@@ -134,7 +141,7 @@ def init_distributed(args: argparse.Namespace | None = None) -> None:
 
 @dataclasses.dataclass
 class Invocation:
-    """One run of an experiment's ``main``: its config, arguments, folder and clock."""
+    """One run of an experiment's or benchmark's ``main``: config, arguments, folder, clock."""
 
     name: str
     cfg: Any
@@ -154,24 +161,65 @@ class Invocation:
             bar.close()
 
     def write(
-        self, results: dict[str, Any], *, table: str, title: str, summary: dict[str, Any]
+        self,
+        results: dict[str, Any],
+        *,
+        table: str,
+        title: str,
+        summary: dict[str, Any] | None = None,
+        stem: str = "results",
     ) -> pathlib.Path:
-        """results.json and results.md in ``out``, with the command line and wall time."""
+        """``<stem>.json`` and ``<stem>.md`` in ``out``, with the command line and wall time;
+        prints ``table``."""
+        print(table)
         return common.write_results(
             self.out,
             config=self.cfg,
             results=results,
             table=table,
             title=title,
+            stem=stem,
             summary=summary,
             command=self.args.command,
             wall_s=self.elapsed(),
         )
 
+    def report(
+        self,
+        rows: Sequence[dict[str, Any]],
+        results: dict[str, Any],
+        *,
+        targets: dict[str, float],
+        title: str,
+        stem: str | None = None,
+    ) -> dict[str, Any]:
+        """A benchmark's results: ``<stem>.json`` and ``<stem>.md`` (``rows``, then each of
+        ``results["ratios"]`` beside its target), the table printed; returns ``results``.
 
-def start(cls: type, argv: Sequence[str] | None, doc: str, *, name: str) -> Invocation:
-    """Parses the command line (:func:`parse_config`, the description is ``doc``'s first
-    line), joins a multi-process run if launched as one, and starts the clock."""
-    cfg, args = parse_config(cls, argv, doc.splitlines()[0], name=name)
+        ``stem`` defaults to the benchmark's name (``bench.train_step`` -> ``train_step``).
+        """
+        ratios = [
+            {"ratio": k, "value": v, "target": targets.get(k, "")}
+            for k, v in results["ratios"].items()
+        ]
+        table = common.markdown_table(rows) + "\n" + common.markdown_table(ratios)
+        self.write(results, table=table, title=title, stem=stem or self.name.rpartition(".")[2])
+        return results
+
+
+def start(
+    cls: type, argv: Sequence[str] | None, doc: str, *, name: str, folder: str | None = None
+) -> Invocation:
+    """Parses the command line of ``python -m experiments.<name>`` (:func:`parse_config`;
+    the description is ``doc``'s first line), joins a multi-process run if launched as one,
+    and starts the clock.
+
+    Results go to ``experiments/results/<folder>``: by default the experiment's name, or
+    ``bench`` for a benchmark (``name`` ``bench.<x>``), where every benchmark writes its
+    own ``<x>.json``.
+    """
+    if folder is None:
+        folder = "bench" if name.startswith("bench.") else name
+    cfg, args = parse_config(cls, argv, doc.splitlines()[0], name=name, out=RESULTS / folder)
     init_distributed(args)
     return Invocation(name, cfg, args, pathlib.Path(args.out), time.perf_counter())

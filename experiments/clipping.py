@@ -23,11 +23,6 @@ References:
 from __future__ import annotations
 
 import dataclasses
-import pathlib
-import sys
-
-if __package__ in (None, ""):
-    sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
 import jax.numpy as jnp
 import numpy as np
@@ -147,13 +142,12 @@ def summarize(cfg: Config, rows: list[dict]) -> tuple[dict, dict]:
         )
     top = [r for r in rows if r["arm"] == "none" and r["lr"] == max(cfg.lrs)]
     summary = stats.summary(
+        cfg,
         instability_reproduced=any(r["failed"] for r in top)
         or float(np.mean([r["bursts"] for r in top])) >= 0.05 * cfg.steps,
         failure_metric="bursts (loss > 1.5x running min) >= 5% of steps, or final > init, "
         "no clipping at the top LR",
         remedies=remedies,
-        seeds=len(cfg.seeds),
-        sizes=[f"d{cfg.d_model}x{cfg.n_layers}"],
     )
     return summary, effects
 
@@ -176,48 +170,29 @@ def tables(cfg: Config, rows: list[dict], effects: dict) -> str:
         }
         for k, v in effects.items()
     ]
-    return (
-        f"Seed means over {len(cfg.seeds)} seeds, {cfg.steps} steps\n\n"
-        + common.markdown_table(t)
-        + "\nPaired per-seed differences, 95 % bootstrap intervals\n\n"
-        + common.markdown_table(e)
+    return common.captioned_tables(
+        (f"Seed means over {len(cfg.seeds)} seeds, {cfg.steps} steps", t),
+        ("Paired per-seed differences, 95 % bootstrap intervals", e),
     )
 
 
 def main(argv=None) -> dict:
     ex = cli.start(Config, argv, __doc__, name="clipping")
-    cfg, out = ex.cfg, ex.out
-    rows, curves = ex.sweep(
-        len(cfg.arms) * len(cfg.lrs) * len(cfg.seeds) * cfg.steps, lambda bar: run(cfg, bar)
-    )
+    cfg = ex.cfg
+    n = len(cfg.arms) * len(cfg.lrs) * len(cfg.seeds) * cfg.steps
+    rows, curves = ex.sweep(n, lambda bar: run(cfg, bar))
     summary, effects = summarize(cfg, rows)
+    every_5 = {a: c[:, ::5] for a, c in curves.items()}
+    res = {"rows": rows, "effects": effects, "losses_top_lr_every_5": every_5}
     table = tables(cfg, rows, effects)
-    res = {
-        "rows": rows,
-        "effects": effects,
-        "losses_top_lr_every_5": {a: c[:, ::5] for a, c in curves.items()},
-    }
     ex.write(res, table=table, title="Clipping against loss bursts", summary=summary)
-    plots.curves(
-        {f"lr {max(cfg.lrs):g}, {a}": {"loss": c} for a, c in curves.items()},
-        path=out / "loss.png",
-        xlabel="step",
-        ylabel="training loss (nats/byte)",
-        logy=True,
+    top = max(cfg.lrs)
+    plots.loss_curves(
+        {f"lr {top:g}, {a}": {"loss": c} for a, c in curves.items()}, ex.out / "loss.png"
     )
-    plots.groups_vs_x(
-        rows,
-        x="lr",
-        y="bursts",
-        group="arm",
-        path=out / "bursts_vs_lr.png",
-        title="bursts (loss > 1.5x running min)",
-        xlabel="peak learning rate",
-        ylabel="bursts per run",
-    )
-    print(table)
+    plots.bursts_vs_lr(rows, group="arm", path=ex.out / "bursts_vs_lr.png")
     return res
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    main()

@@ -3,8 +3,7 @@ result files, the progress bar.
 
 The proxy (model, data, optimizer) lives in :mod:`experiments.proxy`, the command line in
 :mod:`experiments.cli`, the training loop in :mod:`experiments.trainer`, statistics in
-:mod:`experiments.stats` and figures in :mod:`experiments.plots`. The proxy's names are
-re-exported here for the benchmarks.
+:mod:`experiments.stats` and figures in :mod:`experiments.plots`.
 """
 
 from __future__ import annotations
@@ -19,8 +18,6 @@ import sys
 import time
 from collections.abc import Sequence
 from typing import Any
-
-from experiments.proxy import Setup, adamw, build_model, corpus_batches  # noqa: F401
 
 RESULTS = pathlib.Path(__file__).resolve().parent / "results"
 
@@ -63,6 +60,11 @@ def jsonable(x: Any) -> Any:
     if isinstance(x, float) and not math.isfinite(x):
         return str(x)  # JSON has no NaN/Inf; keep them readable
     return x
+
+
+def captioned_tables(*tables: tuple[str, Sequence[dict[str, Any]]]) -> str:
+    """``(caption, rows)`` pairs as Markdown: each caption, a blank line, its table."""
+    return "\n".join(f"{caption}\n\n{markdown_table(rows)}" for caption, rows in tables)
 
 
 def markdown_table(rows: Sequence[dict[str, Any]], columns: Sequence[str] | None = None) -> str:

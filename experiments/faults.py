@@ -63,7 +63,7 @@ class Programs:
     """The jitted step of each optimizer kind and the held-out loss, compiled once."""
 
     def __init__(self, cfg: Any):
-        s = cfg.setup(0)
+        s = cfg.setup(seed=0)
         self.model, _ = proxy.initial_model(s)
         self.apply_fn, _ = stabljax.nnx_apply(self.model)
         base = proxy.adamw(s)

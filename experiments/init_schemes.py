@@ -4,7 +4,7 @@ A 12-layer, 32-wide reference model (no clipping, no weight decay) trained under
 scheme of :mod:`stabljax.init` named here: 0.02 everywhere (``fixed:0.02``, the
 unremedied arm), GPT-2's 0.02 with residual outputs scaled by 1/√(2L) (``gpt2``), Nguyen &
 Salazar's small init (``small_init``) and per-layer depth scaling (``depth_scaled``).
-Before training :func:`stabljax.check_init` reports the residual growth and its flags;
+Before training :func:`stabljax.init.check_init` reports the residual growth and its flags;
 during training every step records the loss and the largest residual-stream RMS.
 
 Failure metric: bursts (steps whose loss exceeds 1.5× its running minimum) summed over
@@ -26,17 +26,13 @@ References:
 from __future__ import annotations
 
 import dataclasses
-import pathlib
-import sys
-
-if __package__ in (None, ""):
-    sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
 import numpy as np
 
 import stabljax
 from experiments import cli, common, plots, proxy, stats
 from experiments.trainer import Trainer
+from stabljax.init import InitReport, check_init
 
 SCHEMES = ("fixed:0.02", "gpt2", "small_init", "depth_scaled")
 
@@ -55,11 +51,11 @@ class Config(proxy.SweepConfig):
         return cls(**base, lrs=(1.0,), schemes=("fixed:0.02", "gpt2"))
 
 
-def check(s: proxy.Setup, scheme: str, seed: int, apply_fn) -> stabljax.InitReport:
+def check(s: proxy.Setup, scheme: str, seed: int, apply_fn) -> InitReport:
     """``check_init`` on the model the run starts from (same seed, same first batch)."""
     s = dataclasses.replace(s, init_scheme=scheme, seed=seed)
     _, params = proxy.initial_model(s)
-    return stabljax.check_init(apply_fn, params, proxy.corpus_batches(s)(0))
+    return check_init(apply_fn, params, proxy.corpus_batches(s)(0))
 
 
 def run(cfg: Config, bar) -> tuple[list[dict], dict]:
@@ -128,12 +124,11 @@ def summarize(cfg: Config, rows: list[dict]) -> tuple[dict, dict]:
     }
     b = [r for r in rows if r["scheme"] == base]
     summary = stats.summary(
+        cfg,
         instability_reproduced=any(r["failed"] for r in b)
         or float(np.mean([r["bursts"] for r in b])) >= 0.05 * cfg.steps,
         failure_metric="bursts >= 5% of steps or final > init, fixed:0.02 init",
         remedies=remedies,
-        seeds=len(cfg.seeds),
-        sizes=[f"d{cfg.d_model}x{cfg.n_layers}"],
     )
     return summary, effects
 
@@ -163,12 +158,14 @@ def tables(cfg: Config, rows: list[dict], effects: dict) -> str:
         if k != "check_init"
     ]
     c = effects["check_init"]
-    return (
+    head = (
         f"{cfg.n_layers} layers × d_model {cfg.d_model}, {cfg.steps} steps, no clipping; "
-        f"means over {len(cfg.seeds)} seeds\n\n"
-        + common.markdown_table(t)
-        + "\nPaired per-seed differences, 95 % bootstrap intervals\n\n"
-        + common.markdown_table(e)
+        f"means over {len(cfg.seeds)} seeds"
+    )
+    return (
+        common.captioned_tables(
+            (head, t), ("Paired per-seed differences, 95 % bootstrap intervals", e)
+        )
         + f"\ncheck_init flagged {c['flagged_runs']} runs (mean bursts "
         f"{c['mean_bursts_flagged']:.1f}) and passed {c['unflagged_runs']} (mean bursts "
         f"{c['mean_bursts_unflagged']:.1f}).\n"
@@ -177,28 +174,17 @@ def tables(cfg: Config, rows: list[dict], effects: dict) -> str:
 
 def main(argv=None) -> dict:
     ex = cli.start(Config, argv, __doc__, name="init_schemes")
-    cfg, out = ex.cfg, ex.out
-    rows, curves = ex.sweep(
-        len(cfg.schemes) * len(cfg.lrs) * len(cfg.seeds) * cfg.steps, lambda bar: run(cfg, bar)
-    )
-    summary, effects = summarize(cfg, rows)
-    table = tables(cfg, rows, effects)
-    res = {
-        "rows": rows,
-        "effects": effects,
-        "losses": {f"{sc}@{lr:g}": c for (sc, lr), c in curves.items()},
-    }
+    cfg = ex.cfg
+    runs = len(cfg.schemes) * len(cfg.lrs) * len(cfg.seeds)
+    rows, curves = ex.sweep(runs * cfg.steps, lambda bar: run(cfg, bar))
+    res = {"rows": rows, "losses": {f"{sc}@{lr:g}": c for (sc, lr), c in curves.items()}}
+    summary, res["effects"] = summarize(cfg, rows)
+    table = tables(cfg, rows, res["effects"])
     ex.write(res, table=table, title="Initialisation schemes", summary=summary)
-    plots.curves(
-        {f"lr {lr:g}": {sc: curves[(sc, lr)] for sc in cfg.schemes} for lr in cfg.lrs},
-        path=out / "init.png",
-        xlabel="step",
-        ylabel="training loss (nats/byte)",
-        logy=True,
-    )
-    print(table)
+    panels = {f"lr {lr:g}": {sc: curves[(sc, lr)] for sc in cfg.schemes} for lr in cfg.lrs}
+    plots.loss_curves(panels, ex.out / "init.png")
     return res
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    main()

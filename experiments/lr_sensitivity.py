@@ -21,11 +21,6 @@ References:
 from __future__ import annotations
 
 import dataclasses
-import pathlib
-import sys
-
-if __package__ in (None, ""):
-    sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
 import numpy as np
 
@@ -156,10 +151,10 @@ def summarize(cfg: Config, rows: list[dict]) -> tuple[dict, dict]:
     }
     top = [r for r in rows if r["arm"] == "base" and r["lr"] == max(cfg.lrs)]
     summary = stats.summary(
+        cfg,
         instability_reproduced=any(r["failed"] for r in top),
         failure_metric="final loss > init or non-finite, base arm at the top LR",
         remedies=remedies,
-        seeds=len(cfg.seeds),
         sizes=sizes,
     )
     return summary, effects
@@ -281,9 +276,8 @@ def main(argv=None) -> dict:
         ylabel="mean log Z of the output",
         logy=True,
     )
-    print(table)
     return res
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    main()

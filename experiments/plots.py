@@ -185,3 +185,22 @@ def curves(
         ax.legend(fontsize=7, loc="upper right")
         ax.grid(alpha=0.3)
     save_figure(fig, path)
+
+
+def loss_curves(panels: dict[str, dict[str, np.ndarray]], path: pathlib.Path) -> None:
+    """:func:`curves` of training losses against the step, on a log scale."""
+    curves(panels, path=path, xlabel="step", ylabel="training loss (nats/byte)", logy=True)
+
+
+def bursts_vs_lr(rows: Sequence[dict[str, Any]], *, group: str, path: pathlib.Path) -> None:
+    """Loss bursts per run against the peak learning rate, one colour per ``group``."""
+    groups_vs_x(
+        rows,
+        x="lr",
+        y="bursts",
+        group=group,
+        path=path,
+        title="bursts (loss > 1.5x running min)",
+        xlabel="peak learning rate",
+        ylabel="bursts per run",
+    )

@@ -2,11 +2,11 @@
 
 The reference model (no clipping, no weight decay) trained four ways over an LR grid:
 float32; bfloat16 compute (float32 master weights, optimizer state and loss); float16
-compute with no loss scale; float16 with :class:`stabljax.DynamicLossScale` (skip and
-halve on overflow, double after ``growth_interval`` clean steps). The model computes in the
-arm's compute dtype (``proxy.model_config``). At high learning rates the residual stream grows
-past float16's 65504 (attention scores and output logits are computed in float32 by
-:mod:`stabljax.nn`, so it is the activations that overflow).
+compute with no loss scale; float16 with :class:`~stabljax.precision.DynamicLossScale` (skip
+and halve on overflow, double after ``growth_interval`` clean steps). The model computes
+in the arm's compute dtype (``proxy.model_config``). At high learning rates the residual
+stream grows past float16's 65504 (attention scores and output logits are computed in
+float32 by :mod:`stabljax.reference.nn`, so it is the activations that overflow).
 
 Failure metric: failed runs (final loss non-finite or above its loss at init), summed
 over the grid per seed; the steps with a non-finite training loss are reported beside it.
@@ -24,11 +24,6 @@ References:
 from __future__ import annotations
 
 import dataclasses
-import pathlib
-import sys
-
-if __package__ in (None, ""):
-    sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
 import numpy as np
 
@@ -118,11 +113,10 @@ def summarize(cfg: Config, rows: list[dict]) -> tuple[dict, dict]:
         remedies[f"{arm} vs {BASE}"] = stats.remedy(FAILED, failed, mech, label)
     b = [r for r in rows if r["arm"] == BASE]
     summary = stats.summary(
+        cfg,
         instability_reproduced=any(r["failed"] for r in b),
         failure_metric=FAILED + ", fp16 compute without a loss scale",
         remedies=remedies,
-        seeds=len(seeds),
-        sizes=[f"d{cfg.d_model}x{cfg.n_layers}"],
         note=(
             "a loss scale guards the gradients' range, not the forward pass's: where the "
             "activations overflow, fp16 with the scaler skips almost every step and fails too"
@@ -177,28 +171,18 @@ def tables(cfg: Config, rows: list[dict], effects: dict) -> str:
 
 def main(argv=None) -> dict:
     ex = cli.start(Config, argv, __doc__, name="precision")
-    cfg, out = ex.cfg, ex.out
-    rows, curves = ex.sweep(
-        len(cfg.arms) * len(cfg.lrs) * len(cfg.seeds) * cfg.steps, lambda bar: run(cfg, bar)
-    )
+    cfg = ex.cfg
+    total = len(cfg.arms) * len(cfg.lrs) * len(cfg.seeds) * cfg.steps
+    rows, curves = ex.sweep(total, lambda bar: run(cfg, bar))
     summary, effects = summarize(cfg, rows)
-    table = tables(cfg, rows, effects)
-    res = {
-        "rows": rows,
-        "effects": effects,
-        "losses_top_lr_every_5": {a: c[:, ::5] for a, c in curves.items()},
-    }
-    ex.write(res, table=table, title="Mixed precision at high learning rates", summary=summary)
-    plots.curves(
-        {f"lr {max(cfg.lrs):g}: training loss": curves},
-        path=out / "precision.png",
-        xlabel="step",
-        ylabel="training loss (nats/byte)",
-        logy=True,
-    )
-    print(table)
+    losses = {a: c[:, ::5] for a, c in curves.items()}
+    res = {"rows": rows, "effects": effects, "losses_top_lr_every_5": losses}
+    title = "Mixed precision at high learning rates"
+    ex.write(res, table=tables(cfg, rows, effects), title=title, summary=summary)
+    panels = {f"lr {max(cfg.lrs):g}: training loss": curves}
+    plots.loss_curves(panels, ex.out / "precision.png")
     return res
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    main()

@@ -2,8 +2,8 @@
 
 Wortsman et al.'s small-scale proxy: a pre-LN decoder, AdamW (0.9, 0.95), linear warmup
 then cosine decay to 0, a byte-level LM on the embedded corpus
-(:func:`stabljax.default_corpus`). :class:`SweepConfig` is the part of a configuration
-every sweep shares; each experiment subclasses it.
+(:func:`stabljax.reference.corpus.default_corpus`). :class:`ModelSize` is the base of every
+experiment's and benchmark's config; :class:`SweepConfig` adds what every sweep shares.
 """
 
 from __future__ import annotations
@@ -17,7 +17,8 @@ class Setup:
     """Model, data and optimizer of one training run.
 
     Pre-LN decoder, AdamW (0.9, 0.95), eps 1e-8, clip 1.0, linear warmup then cosine decay
-    to 0, byte-level LM on the embedded corpus (:func:`stabljax.default_corpus`).
+    to 0, byte-level LM on the embedded corpus
+    (:func:`stabljax.reference.corpus.default_corpus`).
     """
 
     d_model: int = 64
@@ -62,7 +63,7 @@ def precision_of(name: str):
 
 
 def model_config(s: Setup, *, n_layers: int | None = None):
-    """The :class:`stabljax.nn.TransformerConfig` of the reference model of ``s``.
+    """The :class:`stabljax.reference.nn.TransformerConfig` of the reference model of ``s``.
 
     The model computes in ``s.precision``'s compute dtype: :class:`stabljax.Precision`
     casts the parameters to it, but a Flax layer promotes its inputs to the layer's own
@@ -71,7 +72,7 @@ def model_config(s: Setup, *, n_layers: int | None = None):
     """
     import jax.numpy as jnp
 
-    from stabljax.nn import TransformerConfig
+    from stabljax.reference.nn import TransformerConfig
 
     return TransformerConfig(
         vocab_size=256,
@@ -90,7 +91,7 @@ def build_model(s: Setup, *, n_layers: int | None = None):
     """The reference Transformer of ``s``; returns ``(model, config)``."""
     from flax import nnx
 
-    from stabljax.nn import TransformerLM
+    from stabljax.reference.nn import TransformerLM
 
     cfg = model_config(s, n_layers=n_layers)
     return TransformerLM(cfg, rngs=nnx.Rngs(s.seed)), cfg
@@ -101,7 +102,7 @@ def _initial_model(cfg, seed: int):
     from flax import nnx
 
     import stabljax
-    from stabljax.nn import TransformerLM
+    from stabljax.reference.nn import TransformerLM
 
     model = TransformerLM(cfg, rngs=nnx.Rngs(seed))
     return model, stabljax.nnx_apply(model)[1]
@@ -162,18 +163,19 @@ def adamw_factory(s: Setup, *, clip: float | None = None):
 
 @functools.lru_cache(maxsize=4)
 def _corpus(nbytes: int, path: str | None):
-    """:func:`stabljax.default_corpus`, read once per process (it walks a source tree)."""
-    import stabljax
+    """:func:`~stabljax.reference.corpus.default_corpus`, read once per process (it walks a
+    source tree)."""
+    from stabljax.reference.corpus import default_corpus
 
-    return stabljax.default_corpus(nbytes, path=path)
+    return default_corpus(nbytes, path=path)
 
 
 def corpus_batches(s: Setup, *, seed_offset: int = 0):
     """``batch_fn(i)`` over the corpus of ``s`` (``seed_offset`` 1 is the held-out stream)."""
-    import stabljax
+    from stabljax.reference.corpus import lm_batch_fn
 
     corpus = _corpus(s.corpus_bytes, s.corpus)
-    return stabljax.lm_batch_fn(
+    return lm_batch_fn(
         corpus, batch_size=s.batch_size, seq_len=s.seq_len, seed=s.seed * 1000 + seed_offset
     )
 
@@ -186,17 +188,43 @@ def log_grid(lo: float, hi: float, n: int) -> tuple[float, ...]:
 
 
 @dataclasses.dataclass(frozen=True)
-class SweepConfig:
-    """The fields every sweep experiment shares; each experiment subclasses it.
-
-    ``quick()`` is the smoke-test size a test runs in seconds.
-    """
+class ModelSize:
+    """The reference model's size and batch: the base of every experiment's and benchmark's
+    config (each subclass sets its own defaults and adds its own fields)."""
 
     d_model: int = 32
     n_layers: int = 2
     n_heads: int = 4
     seq_len: int = 32
     batch_size: int = 8
+
+    def setup(self, **fields) -> Setup:
+        """The :class:`Setup` of this size, with ``fields`` (any :class:`Setup` field) set."""
+        size = {f.name: getattr(self, f.name) for f in dataclasses.fields(ModelSize)}
+        return Setup(**{**size, **fields})
+
+
+@dataclasses.dataclass(frozen=True)
+class BenchSize(ModelSize):
+    """The reference model the benchmarks time by default: about 10.8M parameters."""
+
+    d_model: int = 384
+    n_layers: int = 6
+    n_heads: int = 6
+    seq_len: int = 128
+
+
+#: The model of a benchmark's ``--quick`` smoke run: ``Config(**QUICK_SIZE, ...)``.
+QUICK_SIZE = {"d_model": 32, "n_layers": 1, "n_heads": 2, "seq_len": 16, "batch_size": 2}
+
+
+@dataclasses.dataclass(frozen=True)
+class SweepConfig(ModelSize):
+    """The fields every sweep experiment shares; each experiment subclasses it.
+
+    ``quick()`` is the smoke-test size a test runs in seconds.
+    """
+
     steps: int = 200
     warmup_frac: float = 0.05
     weight_decay: float = 1e-4
@@ -211,16 +239,11 @@ class SweepConfig:
 
     def setup(self, **overrides) -> Setup:
         """The :class:`Setup` of this config, with ``overrides`` applied."""
-        base = Setup(
-            d_model=self.d_model,
-            n_layers=self.n_layers,
-            n_heads=self.n_heads,
-            seq_len=self.seq_len,
-            batch_size=self.batch_size,
-            steps=self.steps,
-            warmup_frac=self.warmup_frac,
-            weight_decay=self.weight_decay,
-            corpus=self.corpus,
-            eval_batches=2 if self.steps < 20 else 8,
-        )
-        return dataclasses.replace(base, **overrides)
+        shared = {
+            "steps": self.steps,
+            "warmup_frac": self.warmup_frac,
+            "weight_decay": self.weight_decay,
+            "corpus": self.corpus,
+            "eval_batches": 2 if self.steps < 20 else 8,
+        }
+        return super().setup(**{**shared, **overrides})

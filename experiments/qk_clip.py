@@ -32,10 +32,6 @@ from __future__ import annotations
 
 import dataclasses
 import pathlib
-import sys
-
-if __package__ in (None, ""):
-    sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
 import jax
 import numpy as np
@@ -44,6 +40,7 @@ import optax
 import stabljax
 from experiments import cli, common, plots, proxy, stats
 from experiments.trainer import Trainer
+from stabljax.telemetry import path_str, spike_score
 
 #: The primary metric, declared before the run: lower is better.
 PRIMARY = "final_loss"
@@ -84,7 +81,7 @@ def hidden_kernels(params):
     dims = optax.contrib.MuonDimensionNumbers(reduction_axis=0, output_axis=1)
 
     def label(path, x):
-        name = stabljax.telemetry.path_str(path)
+        name = path_str(path)
         return dims if x.ndim == 2 and name.startswith("blocks/") else None
 
     return jax.tree_util.tree_map_with_path(label, params)
@@ -150,9 +147,7 @@ def run(cfg: Config, bar) -> tuple[list[dict], dict]:
                         "clipped_head_steps": float(np.sum(m["clipped_heads"][i]))
                         if "clipped_heads" in m
                         else 0.0,
-                        "spike_score_loss": stabljax.telemetry.spike_score(
-                            m["loss"][i], window=100, min_history=20
-                        ),
+                        "spike_score_loss": spike_score(m["loss"][i], window=100, min_history=20),
                         "skipped_steps": int(np.sum(m["skipped"][i])),
                     }
                 )
@@ -237,12 +232,11 @@ def summarize(cfg: Config, rows: list[dict]) -> tuple[dict, dict]:
     top = [r for r in rows if r["arm"] == "none" and r["lr"] == max(cfg.lrs(r["optimizer"]))]
     reproduced = float(np.mean([r["late_max_attn_logit"] for r in top])) > cfg.tau
     summary = stats.summary(
+        cfg,
         instability_reproduced=reproduced,
         failure_metric=f"no-control max attention logit (last quarter) above tau={cfg.tau:g} "
         "at the top LR, seed mean",
         remedies=remedies,
-        seeds=len(cfg.seeds),
-        sizes=[f"d{cfg.d_model}x{cfg.n_layers}"],
         note="primary metric fixed in code before the run; paired t-intervals, exact "
         "sign-flip p, Holm over every (optimizer, remedy, LR) row",
     )
@@ -379,9 +373,8 @@ def main(argv=None) -> dict:
     }
     ex.write(res, table=table, title="QK-Clip against attention-logit growth", summary=summary)
     figures(cfg, rows, curves, out)
-    print(table)
     return res
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    main()

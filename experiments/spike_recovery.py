@@ -20,7 +20,7 @@ loss with its interval, steps lost (compute steps beyond ``steps``), batches ski
 rollbacks and the bad updates applied in the final trajectory; effects are paired per seed
 against ``unguarded`` (a diverged run counts as its loss at init).
 
-    python experiments/spike_recovery.py [--quick] [--steps 400] [--seeds 0 1 2] ...
+    python -m experiments.spike_recovery [--quick] [--steps 400] [--seeds 0 1 2] ...
 """
 
 from __future__ import annotations
@@ -28,11 +28,7 @@ from __future__ import annotations
 import dataclasses
 import pathlib
 import shutil
-import sys
 import time
-
-if __package__ in (None, ""):  # run as a script: make `experiments` importable
-    sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
 import jax
 import numpy as np
@@ -48,14 +44,10 @@ TRIAGE_KEYS = ("verdict", "reason", "window", "culprits", "narrowed")
 
 
 @dataclasses.dataclass(frozen=True)
-class Config:
+class Config(proxy.ModelSize):
+    n_heads: int = 2
     steps: int = 400
     lr: float = 3e-3
-    d_model: int = 32
-    n_layers: int = 2
-    n_heads: int = 2
-    seq_len: int = 32
-    batch_size: int = 8
     seeds: tuple[int, ...] = (0, 1, 2)
     garbage_start: int = 150
     garbage_len: int = 30
@@ -94,23 +86,13 @@ class Config:
         """PaLM's ~100 steps before the onset, scaled to the run length."""
         return max(self.save_every, self.steps // 8)
 
-    def setup(self, seed: int) -> proxy.Setup:
-        return proxy.Setup(
-            d_model=self.d_model,
-            n_layers=self.n_layers,
-            n_heads=self.n_heads,
-            seq_len=self.seq_len,
-            batch_size=self.batch_size,
-            lr=self.lr,
-            steps=self.steps,
-            seed=seed,
-            corpus=self.corpus,
-        )
+    def setup(self, **fields) -> proxy.Setup:
+        return super().setup(lr=self.lr, steps=self.steps, corpus=self.corpus, **fields)
 
 
 def run_arm(cfg: Config, progs: Programs, arm: str, seed: int, dirs: tuple, bar):
     workdir, report_dir = dirs
-    s = cfg.setup(seed)
+    s = cfg.setup(seed=seed)
     kind = "guarded" if arm in ("guards", "both") else "plain"
     _, params = proxy.initial_model(s)
     params = jax.device_put(params, progs.rep)
@@ -132,7 +114,7 @@ def run_arm(cfg: Config, progs: Programs, arm: str, seed: int, dirs: tuple, bar)
         ckpt = workdir / f"{arm}-{seed}"
         # The "both" arm also triages each rollback (replays the window to name the cause)
         # and logs every step's metrics, which the stability report reads.
-        triage = arm == "both" and stabljax.TriageConfig(
+        triage = arm == "both" and stabljax.control.TriageConfig(
             step_fn=step, batch_fn=lambda i: progs.put(source(i))
         )
         ctl = stabljax.RollbackController(
@@ -145,9 +127,9 @@ def run_arm(cfg: Config, progs: Programs, arm: str, seed: int, dirs: tuple, bar)
             rollback_margin=cfg.margin,
             extra_skip=cfg.garbage_len,
             detectors=[
-                stabljax.SpikeDetector(),
-                stabljax.DivergenceDetector(),
-                stabljax.SlowDivergenceDetector(),
+                stabljax.control.SpikeDetector(),
+                stabljax.control.DivergenceDetector(),
+                stabljax.control.SlowDivergenceDetector(),
             ],
         )
         expected: list[int] = []
@@ -162,12 +144,12 @@ def run_arm(cfg: Config, progs: Programs, arm: str, seed: int, dirs: tuple, bar)
             bar.update(1)
             return state, m
 
-        writer = stabljax.JsonlMetricsWriter(ckpt / "metrics.jsonl") if triage else None
+        writer = stabljax.control.JsonlMetricsWriter(ckpt / "metrics.jsonl") if triage else None
         try:
             state, data = ctl.run(
                 tick,
                 state,
-                stabljax.IndexedBatches(batch_fn),
+                stabljax.control.IndexedBatches(batch_fn),
                 cfg.steps,
                 progress=False,
                 metrics_writer=writer,
@@ -288,14 +270,13 @@ def summarize(cfg: Config, runs: list[dict]) -> tuple[dict, dict]:
             "bad updates applied in the final trajectory",
         )
     summary = stats.summary(
+        cfg,
         instability_reproduced=bool(
             arms["unguarded"]["diverged"] > 0
             or stats.below_zero(stats.paired_effect(col("clean", "final_loss", True), base, "x"))
         ),
         failure_metric="unguarded final loss non-finite or above the clean run's (paired CI)",
         remedies=remedies,
-        seeds=len(cfg.seeds),
-        sizes=[f"d{cfg.d_model}x{cfg.n_layers}"],
     )
     return summary, {"arms": arms, "effects": effects}
 
@@ -327,11 +308,9 @@ def table(res: dict) -> str:
         }
         for k, v in res["effects"].items()
     ]
-    return (
-        "Means over seeds (a diverged run's final loss counts as its loss at init)\n\n"
-        + common.markdown_table(rows)
-        + "\nPaired per-seed differences, 95 % bootstrap intervals\n\n"
-        + common.markdown_table(eff)
+    return common.captioned_tables(
+        ("Means over seeds (a diverged run's final loss counts as its loss at init)", rows),
+        ("Paired per-seed differences, 95 % bootstrap intervals", eff),
     )
 
 
@@ -365,7 +344,6 @@ def main(argv=None) -> dict:
         cap=8.0,
         marks={f"{a} (x: step calls)": [cfg.garbage_start, *cfg.traps] for a in ARMS},
     )
-    print(text)
     for r in runs:
         if "report" in r:
             print(f"stability report (both, seed {r['seed']}): {out / r['report']}")
@@ -375,4 +353,4 @@ def main(argv=None) -> dict:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    main()

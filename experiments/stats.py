@@ -125,20 +125,26 @@ def remedy(
 
 
 def summary(
+    cfg: Any,
     *,
     instability_reproduced: bool,
     failure_metric: str,
     remedies: dict[str, dict[str, Any]],
-    seeds: int,
-    sizes: Sequence[Any],
+    sizes: Sequence[Any] | None = None,
     note: str = "",
 ) -> dict[str, Any]:
-    """The ``summary`` block of a results.json (issue 17's schema, plus a one-line note)."""
+    """The ``summary`` block of a results.json (issue 17's schema, plus a one-line note).
+
+    ``cfg`` is the experiment's config: the seed count is ``len(cfg.seeds)`` and the sizes,
+    unless given, its one model size, ``d<d_model>x<n_layers>``.
+    """
+    if sizes is None:
+        sizes = [f"d{cfg.d_model}x{cfg.n_layers}"]
     return {
         "instability_reproduced": bool(instability_reproduced),
         "failure_metric": failure_metric,
         "remedies": remedies,
-        "seeds": int(seeds),
+        "seeds": len(cfg.seeds),
         "sizes": list(sizes),
         "note": note,
     }

@@ -8,12 +8,10 @@ table differs from the one the results give (a test runs it).
 
 from __future__ import annotations
 
+import argparse
 import json
 import pathlib
 import sys
-
-if __package__ in (None, ""):
-    sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
 from experiments.common import RESULTS
 
@@ -80,10 +78,14 @@ def render(readme: str, body: str) -> str:
 
 
 def main(argv=None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
+    p = argparse.ArgumentParser(
+        prog="python -m experiments.summary_table", description=__doc__.splitlines()[0]
+    )
+    p.add_argument("--check", action="store_true", help="exit 1 if the README table is stale")
+    args = p.parse_args(argv)
     text = README.read_text()
     new = render(text, table())
-    if "--check" in argv:
+    if args.check:
         if new != text:
             print("experiments/README.md's table is stale: run python -m experiments.summary_table")
             return 1

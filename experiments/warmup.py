@@ -20,11 +20,6 @@ References:
 from __future__ import annotations
 
 import dataclasses
-import pathlib
-import sys
-
-if __package__ in (None, ""):
-    sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
 import numpy as np
 
@@ -100,11 +95,10 @@ def summarize(cfg: Config, rows: list[dict]) -> tuple[dict, dict]:
         ]
         effects[name] = {"bursts": e, "mechanism": mech, "lr_sensitivity": stats.interval(sens)}
     summary = stats.summary(
+        cfg,
         instability_reproduced=bool(reproduced),
         failure_metric="bursts (loss > 1.5x running min) or final loss > init, no warmup, top LR",
         remedies=remedies,
-        seeds=len(cfg.seeds),
-        sizes=[f"d{cfg.d_model}x{cfg.n_layers}"],
     )
     return summary, effects
 
@@ -129,51 +123,31 @@ def tables(cfg: Config, rows: list[dict], effects: dict) -> str:
         }
         for k, v in effects.items()
     ]
-    return (
-        f"Seed means over {len(cfg.seeds)} seeds, {cfg.steps} steps, no clipping\n\n"
-        + common.markdown_table(t)
-        + "\nPaired per-seed differences (arm − no warmup), 95 % bootstrap intervals\n\n"
-        + common.markdown_table(e)
+    return common.captioned_tables(
+        (f"Seed means over {len(cfg.seeds)} seeds, {cfg.steps} steps, no clipping", t),
+        ("Paired per-seed differences (arm − no warmup), 95 % bootstrap intervals", e),
     )
 
 
 def main(argv=None) -> dict:
     ex = cli.start(Config, argv, __doc__, name="warmup")
-    cfg, out = ex.cfg, ex.out
-    res = ex.sweep(
-        len(cfg.warmups) * len(cfg.lrs) * len(cfg.seeds) * cfg.steps, lambda bar: run(cfg, bar)
-    )
+    cfg = ex.cfg
+    total = len(cfg.warmups) * len(cfg.lrs) * len(cfg.seeds) * cfg.steps
+    res = ex.sweep(total, lambda bar: run(cfg, bar))
     rows, curves = res["rows"], res.pop("curves")
-    summary, effects = summarize(cfg, rows)
-    res["effects"] = effects
-    table = tables(cfg, rows, effects)
+    summary, res["effects"] = summarize(cfg, rows)
     res["curves_every_5"] = {
         f"{w:g}": {k: v[:, ::5] for k, v in c.items()} for w, c in curves.items()
     }
+    table = tables(cfg, rows, res["effects"])
     ex.write(res, table=table, title="Warmup against the early blow-up", summary=summary)
-    plots.curves(
-        {
-            f"lr {max(cfg.lrs):g}, warmup {w:g}": {"loss": c[f"lr {max(cfg.lrs):g}"]}
-            for w, c in curves.items()
-        },
-        path=out / "loss.png",
-        xlabel="step",
-        ylabel="training loss (nats/byte)",
-        logy=True,
-    )
-    plots.groups_vs_x(
-        [{**r, "warmup": f"warmup {r['warmup']:g}"} for r in rows],
-        x="lr",
-        y="bursts",
-        group="warmup",
-        path=out / "bursts_vs_lr.png",
-        title="bursts (loss > 1.5x running min)",
-        xlabel="peak learning rate",
-        ylabel="bursts per run",
-    )
-    print(table)
+    top = f"lr {max(cfg.lrs):g}"
+    panels = {f"{top}, warmup {w:g}": {"loss": c[top]} for w, c in curves.items()}
+    plots.loss_curves(panels, ex.out / "loss.png")
+    labelled = [{**r, "warmup": f"warmup {r['warmup']:g}"} for r in rows]
+    plots.bursts_vs_lr(labelled, group="warmup", path=ex.out / "bursts_vs_lr.png")
     return res
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    main()

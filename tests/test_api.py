@@ -50,7 +50,7 @@ def test_readme_test_command_matches_ci():
 
 def test_readme_main_command_runs_the_main_job():
     cmd = _readme_command("main-command")
-    assert "experiments/spike_recovery.py" in cmd
+    assert cmd.endswith(".venv/bin/python -m experiments.spike_recovery")
     assert (ROOT / "experiments" / "spike_recovery.py").exists()
 
 

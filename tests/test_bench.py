@@ -15,7 +15,6 @@ BENCHES = {
     "controller": ("steps_per_s", "ratios", "targets", "n_params"),
     "rollback": ("seconds", "checkpoint_bytes", "ratios", "targets", "n_params"),
     "detectors": ("slow_false_alarms", "slow_delay", "spike", "real_curves", "ratios", "targets"),
-    "generic_step": ("per_step", "ratios", "targets", "n_params", "hlo_identical"),
     "triage": ("ratios", "targets", "samples"),
     "guard_streams": ("per_stream", "ratios", "targets"),
 }
@@ -43,12 +42,6 @@ RATIOS = {
         "spike_5x_caught_student_t3",
         "spike_5x_caught_lognormal",
     ),
-    "generic_step": (
-        "wall_generic/legacy",
-        "wall_generic/legacy (plain-opt)",
-        "bytes_generic/legacy",
-        "bytes_generic/legacy (plain-opt)",
-    ),
     "triage": ("triage/plain_large", "triage/plain_small"),
     "guard_streams": (
         "stabljax_bad_max",
@@ -58,13 +51,7 @@ RATIOS = {
     ),
 }
 # Those that compile a whole train step several times take tens of seconds.
-SLOW = {
-    "train_step",
-    "controller",
-    "generic_step",
-    "triage",
-    "guard_streams",
-}  # generic_step: see the test below
+SLOW = {"train_step", "controller", "triage", "guard_streams"}
 
 
 @pytest.mark.parametrize(
@@ -76,7 +63,8 @@ def test_quick_run_writes_results(name, tmp_path):
     returned = mod.main(["--quick", "--out", str(tmp_path), "--no-progress"])
 
     payload = json.loads((tmp_path / f"{name}.json").read_text())
-    assert set(payload) == {"config", "environment", "results"}
+    assert set(payload) == {"command", "config", "environment", "results", "wall_s"}
+    assert payload["command"].startswith(f"python -m experiments.bench.{name} --quick")
     results = payload["results"]
     for key in BENCHES[name]:
         assert key in results, key
@@ -108,16 +96,6 @@ def test_optimizer_update_compares_all_three_under_both_compile_modes(tmp_path):
     assert per["default"]["A"]["bytes"] == per["cpu_options"]["A"]["bytes"]
     saved = per["default"]["B"]["bytes"] - per["cpu_options"]["B"]["bytes"]
     assert saved == pytest.approx(4 * 4 * n, abs=256)  # (and a few scalar copies)
-
-
-def test_generic_step_compiles_to_the_legacy_lm_program(tmp_path):
-    # Not a timing: the generic step (lm_loss + make_train_step) is the same XLA program
-    # as the language-model step it replaced, so it cannot cost more.
-    mod = importlib.import_module("experiments.bench.generic_step")
-    results = mod.main(["--quick", "--out", str(tmp_path), "--no-progress"])
-    assert results["hlo_identical"] == {"guarded": True, "plain-opt": True}
-    assert results["ratios"]["bytes_generic/legacy"] == 1.0
-    assert results["ratios"]["bytes_generic/legacy (plain-opt)"] == 1.0
 
 
 def test_gpu_script_quick_runs_on_cpu(tmp_path):

@@ -36,9 +36,9 @@ REMEDY_KEYS = {"metric", "effect_mean", "ci95", "mechanism_moved", "mechanism", 
 def _run(name, tmp_path, *extra, script=False):
     out = tmp_path / name
     args = ["--quick", "--no-progress", "--out", str(out), *extra]
-    if script:  # as README's command runs it: a fresh interpreter, the file as a script
-        path = ROOT / "experiments" / f"{name}.py"
-        proc = subprocess.run([sys.executable, str(path), *args], capture_output=True, text=True)
+    if script:  # as README's command runs it: a fresh interpreter, from the repository root
+        cmd = [sys.executable, "-m", f"experiments.{name}", *args]
+        proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
         assert proc.returncode == 0, proc.stderr[-3000:]
     else:
         importlib.import_module(f"experiments.{name}").main(args)

@@ -48,10 +48,15 @@ def _env(devices: int) -> dict[str, str]:
 
 
 def _launch(name: str, out: pathlib.Path, *extra: str, devices: int) -> subprocess.Popen:
-    cmd = [sys.executable, str(ROOT / "experiments" / f"{name}.py"), "--quick", "--no-progress"]
+    cmd = [sys.executable, "-m", f"experiments.{name}", "--quick", "--no-progress"]
     cmd += ["--out", str(out), *extra]
     return subprocess.Popen(
-        cmd, env=_env(devices), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True
+        cmd,
+        cwd=ROOT,
+        env=_env(devices),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
     )
 
 

@@ -20,31 +20,22 @@ from __future__ import annotations
 import dataclasses
 import shutil
 import statistics
-import sys
 import tempfile
 import time
 
 import jax
 
 import stabljax
-from experiments.bench.timing import bench_main
-from experiments.common import (
-    Setup,
-    adamw,
-    build_model,
-    corpus_batches,
-)
+from experiments import cli
+from experiments.proxy import QUICK_SIZE, ModelSize, adamw, build_model, corpus_batches
 
 TARGETS = {"steps_per_s_controlled/bare": 0.97, "steps_per_s_controlled+background/bare": 0.97}
 
 
 @dataclasses.dataclass(frozen=True)
-class Config:
+class Config(ModelSize):
     d_model: int = 128
-    n_layers: int = 2
-    n_heads: int = 4
     seq_len: int = 64
-    batch_size: int = 8
     steps: int = 200
     save_every: int = 50
     rounds: int = 5
@@ -52,28 +43,11 @@ class Config:
 
     @classmethod
     def quick(cls) -> Config:
-        return cls(
-            d_model=32,
-            n_layers=1,
-            n_heads=2,
-            seq_len=16,
-            batch_size=2,
-            steps=10,
-            save_every=5,
-            rounds=1,
-        )
+        return cls(**QUICK_SIZE, steps=10, save_every=5, rounds=1)
 
 
 def run(cfg: Config) -> tuple[list[dict], dict]:
-    setup = Setup(
-        d_model=cfg.d_model,
-        n_layers=cfg.n_layers,
-        n_heads=cfg.n_heads,
-        seq_len=cfg.seq_len,
-        batch_size=cfg.batch_size,
-        seed=cfg.seed,
-        corpus_bytes=200_000,
-    )
+    setup = cfg.setup(seed=cfg.seed, corpus_bytes=200_000)
     model, _ = build_model(setup)
     apply_fn, params = stabljax.nnx_apply(model)
     opt = adamw(setup)
@@ -92,7 +66,7 @@ def run(cfg: Config) -> tuple[list[dict], dict]:
     jax.block_until_ready(m)
 
     def bare() -> float:
-        state, data = fresh(), stabljax.IndexedBatches(batch_fn)
+        state, data = fresh(), stabljax.control.IndexedBatches(batch_fn)
         jax.block_until_ready(state)
         t0 = time.perf_counter()
         for _ in range(cfg.steps):
@@ -110,7 +84,7 @@ def run(cfg: Config) -> tuple[list[dict], dict]:
                 rollback_margin=cfg.save_every,  # a margin the kept checkpoints can hold
                 background_save=background,
             )
-            state, data = ctl.restore_or_init(fresh(), stabljax.IndexedBatches(batch_fn))
+            state, data = ctl.restore_or_init(fresh(), stabljax.control.IndexedBatches(batch_fn))
             jax.block_until_ready(state)
             t0 = time.perf_counter()
             while ctl.current_step < cfg.steps:
@@ -166,18 +140,12 @@ def run(cfg: Config) -> tuple[list[dict], dict]:
 
 
 def main(argv=None) -> dict:
-    return bench_main(
-        Config,
-        run,
-        argv,
-        description=__doc__.splitlines()[0],
-        stem="controller",
-        targets=TARGETS,
-        title=lambda cfg, r: (
-            f"Controller overhead, {cfg.steps} steps, async save every {cfg.save_every}"
-        ),
-    )
+    ex = cli.start(Config, argv, __doc__, name="bench.controller")
+    cfg = ex.cfg
+    rows, results = run(cfg)
+    title = f"Controller overhead, {cfg.steps} steps, async save every {cfg.save_every}"
+    return ex.report(rows, results, targets=TARGETS, title=title)
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    main()

@@ -1,6 +1,6 @@
 """Benchmark 5: false alarms and detection delay of the detectors on synthetic and real losses.
 
-Slow divergence (:class:`stabljax.SlowDivergenceDetector`, defaults):
+Slow divergence (:class:`stabljax.control.SlowDivergenceDetector`, defaults):
 
 * false alarms per 10^5 steps on a flat loss (level 2.0, std 0.05) with iid noise and
   AR(1) noise of marginal std 0.05 (phi = 0.9, 0.99, 0.999), ``seeds`` series of
@@ -15,7 +15,7 @@ Slow divergence (:class:`stabljax.SlowDivergenceDetector`, defaults):
   ``bootstrap_block`` steps, which keeps their short-range autocorrelation) to
   ``steps`` steps at level 2.0.
 
-Spike detection (:class:`stabljax.SpikeDetector`, defaults): false rollbacks per 1000
+Spike detection (:class:`stabljax.control.SpikeDetector`, defaults): false rollbacks per 1000
 steps (episodes of anomalous values whose update was applied) on healthy stationary losses
 with Student-t noise (3 degrees of freedom, scale 5 % of the level), lognormal noise
 (sigma 0.3), Gaussian noise (std 5 %) and the real-loss resample above; a 5x one-step spike
@@ -35,15 +35,14 @@ import dataclasses
 import json
 import math
 import statistics
-import sys
 import time
 
 import numpy as np
 
 import stabljax
-from experiments.bench.timing import bench_main
+from experiments import cli
 from experiments.common import RESULTS, progress_bar
-from stabljax.control.detect import mann_kendall, sen_slope
+from stabljax.control.detectors import mann_kendall, sen_slope
 
 TARGETS = {
     "slow_alarms_per_1e5_phi0.9": 0.0,
@@ -242,7 +241,7 @@ def run(cfg: Config, *, progress: bool = True) -> tuple[list[dict], dict]:
     for name, series in noises.items():
         alarms, old, us = 0, 0, []
         for noise in series:
-            a, t = alarm_steps(stabljax.SlowDivergenceDetector(), LEVEL + noise, bar)
+            a, t = alarm_steps(stabljax.control.SlowDivergenceDetector(), LEVEL + noise, bar)
             alarms += len(a)
             us.append(t)
             if cfg.baseline:
@@ -276,7 +275,7 @@ def run(cfg: Config, *, progress: bool = True) -> tuple[list[dict], dict]:
         found, early, old_found, old_early = [], 0, [], 0
         for _ in range(cfg.delay_seeds):
             x = level + ar1(n, phi, STD, rng)
-            a, _ = alarm_steps(stabljax.SlowDivergenceDetector(), x)
+            a, _ = alarm_steps(stabljax.control.SlowDivergenceDetector(), x)
             early += sum(s < cfg.warm_steps for s in a)
             after = [s - cfg.warm_steps for s in a if s >= cfg.warm_steps]
             found.append(after[0] if after else None)
@@ -320,7 +319,7 @@ def run(cfg: Config, *, progress: bool = True) -> tuple[list[dict], dict]:
     }
     spikes = {}
     for name, x in heavy.items():
-        spikes[name] = spike_run(stabljax.SpikeDetector, x, cfg.spike_every)
+        spikes[name] = spike_run(stabljax.control.SpikeDetector, x, cfg.spike_every)
         if cfg.baseline:
             spikes[name]["baseline"] = spike_run(OldSpike, x, cfg.spike_every)
         base = spikes[name].get("baseline", {})
@@ -351,8 +350,8 @@ def run(cfg: Config, *, progress: bool = True) -> tuple[list[dict], dict]:
         "real_ratio_lag1": float(np.corrcoef(ratios_real[:-1], ratios_real[1:])[0, 1]),
         "real_steps_pooled": len(ratios_real),
         "detectors": {
-            "slow": repr(stabljax.SlowDivergenceDetector()),
-            "spike": repr(stabljax.SpikeDetector()),
+            "slow": repr(stabljax.control.SlowDivergenceDetector()),
+            "spike": repr(stabljax.control.SpikeDetector()),
         },
         "ratios": {
             **{f"slow_alarms_per_1e5_{k}": v["per_1e5"] for k, v in slow.items()},
@@ -367,20 +366,15 @@ def run(cfg: Config, *, progress: bool = True) -> tuple[list[dict], dict]:
 
 
 def main(argv=None) -> dict:
-    progress = "--no-progress" not in (argv or [])
-    return bench_main(
-        Config,
-        lambda cfg: run(cfg, progress=progress),
-        argv,
-        description=__doc__.splitlines()[0],
-        stem="detectors",
-        targets=TARGETS,
-        title=lambda cfg, r: (
-            f"Detectors: false alarms and delay ({cfg.steps} steps x {cfg.seeds} seeds a "
-            f"noise; level {LEVEL}, std {STD})"
-        ),
+    ex = cli.start(Config, argv, __doc__, name="bench.detectors")
+    cfg = ex.cfg
+    rows, results = run(cfg, progress=not ex.args.no_progress)
+    title = (
+        f"Detectors: false alarms and delay ({cfg.steps} steps x {cfg.seeds} seeds a "
+        f"noise; level {LEVEL}, std {STD})"
     )
+    return ex.report(rows, results, targets=TARGETS, title=title)
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    main()

@@ -23,16 +23,16 @@ on whatever backend is there (the CPU in the tests).
 from __future__ import annotations
 
 import dataclasses
-import sys
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 import stabljax
+from experiments import cli
 from experiments.bench import controller, optimizer_update, train_step
-from experiments.bench.timing import bench_main, interleaved_medians
-from experiments.common import RESULTS
+from experiments.bench.timing import interleaved_medians
+from stabljax.reference.nn import TransformerConfig, TransformerLM
 
 TARGETS = {
     "wall_B/A (2^24)": 1.15,
@@ -91,7 +91,7 @@ def train_step_part(cfg: Config) -> tuple[list[dict], dict]:
     from flax import nnx
 
     arch = train_step.TPU_SIZES[cfg.model]
-    model_cfg = stabljax.TransformerConfig(
+    model_cfg = TransformerConfig(
         vocab_size=cfg.vocab,
         d_model=arch["d_model"],
         n_layers=arch["n_layers"],
@@ -100,14 +100,12 @@ def train_step_part(cfg: Config) -> tuple[list[dict], dict]:
         dtype=jnp.bfloat16,
         remat=True,
     )
-    apply_fn, params0 = stabljax.nnx_apply(
-        stabljax.TransformerLM(model_cfg, rngs=nnx.Rngs(cfg.seed))
-    )
+    apply_fn, params0 = stabljax.nnx_apply(TransformerLM(model_cfg, rngs=nnx.Rngs(cfg.seed)))
     n_params = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(params0))
     rng = np.random.default_rng(cfg.seed)
     tokens = rng.integers(0, cfg.vocab, (cfg.batch_size, cfg.seq_len + 1), dtype=np.int32)
     batch = {"inputs": jnp.asarray(tokens[:, :-1]), "targets": jnp.asarray(tokens[:, 1:])}
-    steps = train_step._tpu_steps(train_step.Config())  # the steps the TPU table compiles
+    steps = train_step.tpu_steps(train_step.Config(), arch)  # the steps the TPU table compiles
 
     plain_step, _ = steps["plain"](apply_fn)
     plain_opt = optax_plain(train_step.Config().lr)
@@ -119,7 +117,7 @@ def train_step_part(cfg: Config) -> tuple[list[dict], dict]:
         return loss
 
     guarded_step, _ = steps["guarded"](apply_fn)
-    opt = train_step._guarded_opt(train_step.Config().lr)
+    opt = train_step.guarded_opt(train_step.Config().lr)
     gbox = [
         stabljax.TrainState.create(jax.tree.map(jnp.copy, params0), opt, stabljax.Precision.bf16())
     ]
@@ -172,20 +170,10 @@ def run(cfg: Config, *, quick: bool = False) -> tuple[list[dict], dict]:
 
 
 def main(argv=None) -> dict:
-    argv = list(argv or [])
-    if "--out" not in argv:
-        argv += ["--out", str(RESULTS / "bench" / "gpu")]
-    quick = "--quick" in argv
-    return bench_main(
-        Config,
-        lambda cfg: run(cfg, quick=quick),
-        argv,
-        description=__doc__.splitlines()[0],
-        stem="gpu",
-        targets=TARGETS,
-        title=lambda cfg, r: f"Accelerator bench on {r['device']}",
-    )
+    ex = cli.start(Config, argv, __doc__, name="bench.gpu", folder="bench/gpu")
+    rows, r = run(ex.cfg, quick=ex.args.quick)
+    return ex.report(rows, r, targets=TARGETS, title=f"Accelerator bench on {r['device']}")
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    main()

@@ -36,7 +36,6 @@ the shift on. No timing.
 from __future__ import annotations
 
 import dataclasses
-import sys
 from collections.abc import Callable
 
 import jax
@@ -45,7 +44,7 @@ import numpy as np
 import optax
 
 import stabljax
-from experiments.bench.timing import bench_main
+from experiments import cli
 from experiments.common import progress_bar
 
 TARGETS = {
@@ -281,19 +280,12 @@ def run(cfg: Config, *, progress: bool = True) -> tuple[list[dict], dict]:
 
 
 def main(argv=None) -> dict:
-    progress = "--no-progress" not in (argv or [])
-    return bench_main(
-        Config,
-        lambda cfg: run(cfg, progress=progress),
-        argv,
-        description=__doc__.splitlines()[0],
-        stem="guard_streams",
-        targets=TARGETS,
-        title=lambda cfg, r: (
-            f"Guards on synthetic streams ({cfg.steps} steps x {cfg.seeds} seeds; means per seed)"
-        ),
-    )
+    ex = cli.start(Config, argv, __doc__, name="bench.guard_streams")
+    cfg = ex.cfg
+    rows, results = run(cfg, progress=not ex.args.no_progress)
+    title = f"Guards on synthetic streams ({cfg.steps} steps x {cfg.seeds} seeds; means per seed)"
+    return ex.report(rows, results, targets=TARGETS, title=title)
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    main()

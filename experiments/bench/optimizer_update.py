@@ -23,7 +23,6 @@ guard (the reference for what a guard can cost), and bare ``optax.adamw`` with a
 from __future__ import annotations
 
 import dataclasses
-import sys
 from typing import Any
 
 import jax
@@ -31,9 +30,9 @@ import jax.numpy as jnp
 import optax
 
 import stabljax
+from experiments import cli
 from experiments.bench import aot_tpu
 from experiments.bench.timing import (
-    bench_main,
     compiled_cost,
     copy_bytes,
     copy_runner,
@@ -241,20 +240,16 @@ def run(cfg: Config) -> tuple[list[dict], dict]:
 
 
 def main(argv=None) -> dict:
+    ex = cli.start(Config, argv, __doc__, name="bench.optimizer_update")
+    cfg = ex.cfg
     print(f"devices: {jax.devices()}")
-    return bench_main(
-        Config,
-        run,
-        argv,
-        description=__doc__.splitlines()[0],
-        stem=lambda cfg: "optimizer_update_tpu" if cfg.aot_tpu else "optimizer_update",
-        targets={**targets(), **TPU_TARGETS},
-        title=lambda cfg, r: (
-            f"Optimizer update, 2^{cfg.log2_params} float32 parameters"
-            + (f", XLA:TPU AOT for {cfg.aot_tpu}" if cfg.aot_tpu else "")
-        ),
-    )
+    rows, results = run(cfg)
+    title = f"Optimizer update, 2^{cfg.log2_params} float32 parameters"
+    if cfg.aot_tpu:
+        title += f", XLA:TPU AOT for {cfg.aot_tpu}"
+    stem = "optimizer_update_tpu" if cfg.aot_tpu else "optimizer_update"
+    return ex.report(rows, results, targets={**targets(), **TPU_TARGETS}, title=title, stem=stem)
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    main()

@@ -21,36 +21,27 @@ import os
 import pathlib
 import shutil
 import statistics
-import sys
 import tempfile
 import time
 
 import jax
 
 import stabljax
-from experiments.bench.timing import bench_main
-from experiments.common import (
-    Setup,
-    adamw,
-    build_model,
-)
+from experiments import cli
+from experiments.proxy import QUICK_SIZE, BenchSize, adamw, build_model
 
 TARGETS = {"skip_s": 0.010}
 
 
 @dataclasses.dataclass(frozen=True)
-class Config:
-    d_model: int = 384
-    n_layers: int = 6
-    n_heads: int = 6
-    seq_len: int = 128
+class Config(BenchSize):
     repeats: int = 5
     skip_batches: int = 10**6
     seed: int = 0
 
     @classmethod
     def quick(cls) -> Config:
-        return cls(d_model=32, n_layers=1, n_heads=2, seq_len=16, repeats=1)
+        return cls(**QUICK_SIZE, repeats=1)
 
 
 def _read_all(path: pathlib.Path) -> int:
@@ -72,9 +63,7 @@ def _median_time(fn, repeats: int) -> float:
 
 
 def run(cfg: Config) -> tuple[list[dict], dict]:
-    setup = Setup(
-        d_model=cfg.d_model, n_layers=cfg.n_layers, n_heads=cfg.n_heads, seq_len=cfg.seq_len
-    )
+    setup = cfg.setup()
     model, _ = build_model(setup)
     _, params = stabljax.nnx_apply(model)
     opt = adamw(setup)
@@ -96,7 +85,7 @@ def run(cfg: Config) -> tuple[list[dict], dict]:
     directory = pathlib.Path(tempfile.mkdtemp(prefix="stabljax-bench-rb-"))
     try:
         with stabljax.RollbackController(directory, async_save=False) as ctl:
-            ctl.restore_or_init(state, stabljax.IndexedBatches(batch_fn, start=12345))
+            ctl.restore_or_init(state, stabljax.control.IndexedBatches(batch_fn, start=12345))
         ckpt = directory / "0"
         if not ckpt.exists():  # Orbax's step folder naming
             ckpt = next(p for p in directory.iterdir() if p.is_dir() and p.name.endswith("0"))
@@ -104,7 +93,7 @@ def run(cfg: Config) -> tuple[list[dict], dict]:
 
         def restore(verify: bool):
             ctl = stabljax.RollbackController(directory, async_save=False, verify=verify)
-            data = stabljax.IndexedBatches(batch_fn)
+            data = stabljax.control.IndexedBatches(batch_fn)
             t0 = time.perf_counter()
             restored, data = ctl.restore_or_init(state, data)
             jax.block_until_ready(restored)
@@ -126,7 +115,7 @@ def run(cfg: Config) -> tuple[list[dict], dict]:
         shutil.rmtree(directory, ignore_errors=True)
 
     med = {k: statistics.median(v) for k, v in samples.items()}
-    it = stabljax.IndexedBatches(batch_fn)
+    it = stabljax.control.IndexedBatches(batch_fn)
     skip_s = _median_time(lambda: it.skip(cfg.skip_batches), max(cfg.repeats, 5))
     seek_s = _median_time(lambda: it.seek(it.index + cfg.skip_batches), max(cfg.repeats, 5))
 
@@ -157,19 +146,14 @@ def run(cfg: Config) -> tuple[list[dict], dict]:
 
 
 def main(argv=None) -> dict:
-    return bench_main(
-        Config,
-        run,
-        argv,
-        description=__doc__.splitlines()[0],
-        stem="rollback",
-        targets=TARGETS,
-        title=lambda cfg, r: (
-            f"Rollback cost, checkpoint of {r['checkpoint_bytes'] / 2**20:.1f} MiB "
-            f"({r['n_params'] / 1e6:.1f}M params)"
-        ),
+    ex = cli.start(Config, argv, __doc__, name="bench.rollback")
+    rows, r = run(ex.cfg)
+    title = (
+        f"Rollback cost, checkpoint of {r['checkpoint_bytes'] / 2**20:.1f} MiB "
+        f"({r['n_params'] / 1e6:.1f}M params)"
     )
+    return ex.report(rows, r, targets=TARGETS, title=title)
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    main()

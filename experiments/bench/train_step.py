@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import sys
 
 import jax
 import jax.numpy as jnp
@@ -38,13 +37,10 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import stabljax
+from experiments import cli
 from experiments.bench import aot_tpu
-from experiments.bench.timing import bench_main, compiled_cost, interleaved_medians
-from experiments.common import (
-    Setup,
-    build_model,
-    corpus_batches,
-)
+from experiments.bench.timing import compiled_cost, interleaved_medians
+from experiments.proxy import QUICK_SIZE, BenchSize, build_model, corpus_batches
 
 TARGETS = {"wall_guarded/plain": 1.03, "wall_guarded/plain (cpu_options)": 1.03}
 # XLA:TPU (AOT), per model size: bytes against plain, and the guarded step's temp memory
@@ -64,12 +60,7 @@ TPU_TARGETS = {
 
 
 @dataclasses.dataclass(frozen=True)
-class Config:
-    d_model: int = 384
-    n_layers: int = 6
-    n_heads: int = 6
-    seq_len: int = 128
-    batch_size: int = 8
+class Config(BenchSize):
     repeats: int = 7
     lr: float = 1e-3
     z_loss: float = 1e-4
@@ -86,11 +77,7 @@ class Config:
     @classmethod
     def quick(cls) -> Config:
         return cls(
-            d_model=32,
-            n_layers=1,
-            n_heads=2,
-            seq_len=16,
-            batch_size=2,
+            **QUICK_SIZE,
             repeats=2,
             tpu_sizes=("tiny-data", "tiny-fsdp"),
             tpu_vocab=256,
@@ -113,14 +100,14 @@ def _plain_step(apply_fn, opt, compiler_options=None):
     return step
 
 
-def _guarded_opt(lr: float, qk_layers=None) -> optax.GradientTransformation:
+def guarded_opt(lr: float, qk_layers=None) -> optax.GradientTransformation:
     parts = [stabljax.clip_by_zscore(), stabljax.safe_adamw(lr)]
     if qk_layers is not None:
         parts.append(stabljax.qk_clip(qk_layers))
     return stabljax.skip_nonfinite(stabljax.skip_spikes(optax.chain(*parts)))
 
 
-def _tpu_steps(cfg: Config, arch: dict) -> dict:
+def tpu_steps(cfg: Config, arch: dict) -> dict:
     """The steps compiled for XLA:TPU: ``plain`` (bf16 compute), ``guarded`` and
     ``guarded+qk_clip`` (``guarded`` with :func:`stabljax.qk_clip` last in the guarded
     chain, fed the reference model's per-head max logits through ``aux``)."""
@@ -147,14 +134,14 @@ def _tpu_steps(cfg: Config, arch: dict) -> dict:
         return step, args
 
     def guarded(apply_fn, qk_clip=False):
-        opt = _guarded_opt(cfg.lr)
+        opt = guarded_opt(cfg.lr)
         loss_fn = stabljax.lm_loss(apply_fn, z_loss_weight=cfg.z_loss)
         if qk_clip:
             model = aot_tpu.abstract_model(
                 arch["d_model"], arch["n_layers"], arch["n_heads"], cfg.tpu_vocab, cfg.tpu_seq_len
             )
             aux_apply = stabljax.nnx_apply(model, return_aux=True)[0]
-            opt = _guarded_opt(cfg.lr, qk_layers=model.qk_layers())
+            opt = guarded_opt(cfg.lr, qk_layers=model.qk_layers())
 
             def loss_fn(params, batch):
                 logits, a = aux_apply(params, batch["inputs"])
@@ -194,7 +181,7 @@ def run_aot_tpu(cfg: Config) -> tuple[list[dict], dict]:
         arch = TPU_SIZES[size]
         res = aot_tpu.train_step_costs(
             cfg.aot_tpu,
-            _tpu_steps(cfg, arch),
+            tpu_steps(cfg, arch),
             vocab=cfg.tpu_vocab,
             seq_len=cfg.tpu_seq_len,
             batch_size=cfg.tpu_batch_size,
@@ -238,15 +225,7 @@ def run_aot_tpu(cfg: Config) -> tuple[list[dict], dict]:
 def run(cfg: Config) -> tuple[list[dict], dict]:
     if cfg.aot_tpu:
         return run_aot_tpu(cfg)
-    setup = Setup(
-        d_model=cfg.d_model,
-        n_layers=cfg.n_layers,
-        n_heads=cfg.n_heads,
-        seq_len=cfg.seq_len,
-        batch_size=cfg.batch_size,
-        seed=cfg.seed,
-        corpus_bytes=200_000,
-    )
+    setup = cfg.setup(seed=cfg.seed, corpus_bytes=200_000)
     model, _ = build_model(setup)
     apply_fn, params0 = stabljax.nnx_apply(model)
     n_params = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(params0))
@@ -255,8 +234,8 @@ def run(cfg: Config) -> tuple[list[dict], dict]:
     def plain_opt():
         return optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(cfg.lr))
 
-    def guarded_opt():
-        return _guarded_opt(cfg.lr)
+    def guarded():
+        return guarded_opt(cfg.lr)
 
     runners, costs = {}, {}
 
@@ -280,11 +259,11 @@ def run(cfg: Config) -> tuple[list[dict], dict]:
 
     variants = {
         "stabljax-plain-opt": (plain_opt, False, None),
-        "stabljax-guarded": (guarded_opt, False, None),
-        "stabljax-guarded+layers": (guarded_opt, True, None),
+        "stabljax-guarded": (guarded, False, None),
+        "stabljax-guarded+layers": (guarded, True, None),
     }
     if cpu:
-        variants["stabljax-guarded (cpu_options)"] = (guarded_opt, False, options)
+        variants["stabljax-guarded (cpu_options)"] = (guarded, False, options)
     for name, (make_opt, layers, compiler_options) in variants.items():
         opt = make_opt()
         state = stabljax.TrainState.create(jax.tree.map(jax.numpy.copy, params0), opt)
@@ -331,20 +310,15 @@ def run(cfg: Config) -> tuple[list[dict], dict]:
 
 
 def main(argv=None) -> dict:
-    return bench_main(
-        Config,
-        run,
-        argv,
-        description=__doc__.splitlines()[0],
-        stem=lambda cfg: "train_step_tpu" if cfg.aot_tpu else "train_step",
-        targets={**TARGETS, **TPU_TARGETS},
-        title=lambda cfg, r: (
-            f"Train step, XLA:TPU AOT for {cfg.aot_tpu}"
-            if cfg.aot_tpu
-            else f"Train step, {r['n_params'] / 1e6:.1f}M parameters"
-        ),
-    )
+    ex = cli.start(Config, argv, __doc__, name="bench.train_step")
+    cfg = ex.cfg
+    rows, r = run(cfg)
+    if cfg.aot_tpu:
+        title, stem = f"Train step, XLA:TPU AOT for {cfg.aot_tpu}", "train_step_tpu"
+    else:
+        title, stem = f"Train step, {r['n_params'] / 1e6:.1f}M parameters", "train_step"
+    return ex.report(rows, r, targets={**TARGETS, **TPU_TARGETS}, title=title, stem=stem)
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    main()

@@ -23,7 +23,6 @@ import dataclasses
 import pathlib
 import shutil
 import statistics
-import sys
 import tempfile
 import time
 
@@ -31,8 +30,8 @@ import jax
 import numpy as np
 
 import stabljax
-from experiments.bench.timing import bench_main
-from experiments.common import Setup, adamw, build_model, corpus_batches
+from experiments import cli
+from experiments.proxy import Setup, adamw, build_model, corpus_batches
 
 TARGETS = {"triage/plain_large": 1.10}
 
@@ -102,14 +101,14 @@ def _one(cfg: Config, size: str, model, directory: pathlib.Path) -> dict:
         keep=3,
         rollback_margin=5,
         # A sensitive detector: the small model's spike is only 1.45x its loss.
-        detectors=[stabljax.SpikeDetector(4.0, warmup=10, window=16, rel_floor=0.25)],
-        triage=stabljax.TriageConfig(spike_ratio=1.25),  # the small model's spike is 1.45x
+        detectors=[stabljax.control.SpikeDetector(4.0, warmup=10, window=16, rel_floor=0.25)],
+        triage=stabljax.control.TriageConfig(spike_ratio=1.25),  # the small model's spike is 1.45x
     )
-    with ctl, stabljax.JsonlMetricsWriter(directory / "metrics.jsonl") as writer:
+    with ctl, stabljax.control.JsonlMetricsWriter(directory / "metrics.jsonl") as writer:
         ctl.run(
             step,
             state,
-            stabljax.IndexedBatches(batches.__getitem__),
+            stabljax.control.IndexedBatches(batches.__getitem__),
             cfg.steps,
             progress=False,
             metrics_writer=writer,
@@ -177,16 +176,11 @@ def run(cfg: Config) -> tuple[list[dict], dict]:
 
 
 def main(argv=None) -> dict:
-    return bench_main(
-        Config,
-        run,
-        argv,
-        description=__doc__.splitlines()[0],
-        stem="triage",
-        targets=TARGETS,
-        title=lambda cfg, r: "Spike triage: wall time vs the same number of plain replayed steps",
-    )
+    ex = cli.start(Config, argv, __doc__, name="bench.triage")
+    rows, results = run(ex.cfg)
+    title = "Spike triage: wall time vs the same number of plain replayed steps"
+    return ex.report(rows, results, targets=TARGETS, title=title)
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    main()
