@@ -71,7 +71,7 @@ def model_config(s: Setup, *, n_layers: int | None = None):
     """
     import jax.numpy as jnp
 
-    from stabljax.nn import TransformerConfig
+    from stabljax.reference.nn import TransformerConfig
 
     return TransformerConfig(
         vocab_size=256,
@@ -90,7 +90,7 @@ def build_model(s: Setup, *, n_layers: int | None = None):
     """The reference Transformer of ``s``; returns ``(model, config)``."""
     from flax import nnx
 
-    from stabljax.nn import TransformerLM
+    from stabljax.reference.nn import TransformerLM
 
     cfg = model_config(s, n_layers=n_layers)
     return TransformerLM(cfg, rngs=nnx.Rngs(s.seed)), cfg
@@ -101,7 +101,7 @@ def _initial_model(cfg, seed: int):
     from flax import nnx
 
     import stabljax
-    from stabljax.nn import TransformerLM
+    from stabljax.reference.nn import TransformerLM
 
     model = TransformerLM(cfg, rngs=nnx.Rngs(seed))
     return model, stabljax.nnx_apply(model)[1]

@@ -6,10 +6,6 @@ modules are layered (``stabljax.optim`` -> step modules -> ``stabljax.control``)
 Transformer and corpus), see BUILD.md.
 """
 
-# Old module paths kept working: stabljax.nn re-exports stabljax.reference.nn (imported here
-# so that `import stabljax; stabljax.nn` works as before); stabljax.data, a deprecated name
-# for stabljax.reference.corpus, loads on first use (__getattr__ below).
-from stabljax import nn as nn
 from stabljax.control import CheckpointMismatch as CheckpointMismatch
 from stabljax.control import CheckpointSaveError as CheckpointSaveError
 from stabljax.control import DataExhausted as DataExhausted
@@ -83,14 +79,6 @@ from stabljax.telemetry import adam_eps_report as adam_eps_report
 from stabljax.telemetry import layer_metrics_to_host as layer_metrics_to_host
 
 __version__ = "0.2.0"
-
-
-def __getattr__(name: str):
-    if name == "data":
-        import importlib
-
-        return importlib.import_module("stabljax.data")
-    raise AttributeError(f"module 'stabljax' has no attribute {name!r}")
 
 
 __all__ = (

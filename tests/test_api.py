@@ -4,9 +4,6 @@ import importlib
 import inspect
 import pathlib
 import re
-import warnings
-
-import pytest
 
 import stabljax
 
@@ -81,29 +78,3 @@ def test_flat_api_unchanged_by_the_reference_move():
     assert stabljax.TransformerConfig is ref_nn.TransformerConfig
     assert stabljax.default_corpus is corpus.default_corpus
     assert stabljax.lm_batch_fn is corpus.lm_batch_fn
-
-
-def test_old_nn_path_is_the_reference_transformer():
-    from stabljax import nn
-
-    ref_nn = importlib.import_module("stabljax.reference.nn")
-    assert nn is importlib.import_module("stabljax.nn") is stabljax.nn
-    for name in ("TransformerConfig", "TransformerLM", "Attention", "MLP", "Block"):
-        assert getattr(nn, name) is getattr(ref_nn, name)
-
-
-def test_old_data_path_is_a_deprecated_alias_of_the_corpus():
-    corpus = importlib.import_module("stabljax.reference.corpus")
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")
-        old = importlib.import_module("stabljax.data")  # importing alone does not warn
-        with pytest.raises(AttributeError, match="no_such_name"):
-            old.no_such_name  # noqa: B018
-    with pytest.warns(DeprecationWarning, match="stabljax.reference.corpus.default_corpus"):
-        from stabljax.data import default_corpus
-    assert default_corpus is corpus.default_corpus
-    with pytest.warns(DeprecationWarning, match="lm_batch_fn"):
-        assert stabljax.data.lm_batch_fn is corpus.lm_batch_fn
-    # The two modules once both called `data` now have distinct names.
-    assert corpus.__name__.rsplit(".", 1)[-1] == "corpus"
-    assert importlib.import_module("stabljax.control.data").__name__ == "stabljax.control.data"

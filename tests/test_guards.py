@@ -576,8 +576,8 @@ def test_helpers_without_guards_and_through_wrappers():
     _, state = step(g, state, params, loss=np.nan)
     assert bool(any_skipped(state)) and int(skip_streak(state)) == 1
     assert isinstance(state.inner_opt_state[0], SkipNonfiniteState)
-    assert isinstance(state.inner_opt_state[1].inner_state, SkipSpikesState)
-    assert not bool(state.inner_opt_state[1].inner_state.spike_skipped)
+    assert isinstance(state.inner_opt_state[1].nonfinite_inner_state, SkipSpikesState)
+    assert not bool(state.inner_opt_state[1].nonfinite_inner_state.spike_skipped)
     _, state = step(g, state, params, loss=np.nan)
     assert int(skip_streak(state)) == 2
     _, state = step(g, state, params, loss=1.0)

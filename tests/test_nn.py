@@ -1,4 +1,4 @@
-"""Tests for stabljax.nn: the reference Transformer LM against a float64 numpy version."""
+"""Tests for stabljax.reference.nn: the reference Transformer LM against a float64 numpy version."""
 
 import dataclasses
 import functools
@@ -12,8 +12,8 @@ import pytest
 from flax import nnx
 
 import stabljax
-from stabljax import nn
 from stabljax.init import init_plan, truncated_std_factor
+from stabljax.reference import nn
 from stabljax.step import nnx_apply
 
 V, T, B = 64, 12, 2

@@ -30,9 +30,9 @@ import stabljax
 from experiments.bench.timing import bench_main, compiled_cost, interleaved_medians
 from experiments.common import Setup, build_model, corpus_batches
 from stabljax import telemetry
-from stabljax.losses import _z_loss_weight, cross_entropy_with_z_loss
+from stabljax.losses import cross_entropy_with_z_loss
 from stabljax.optim import guards
-from stabljax.optim._base import with_extra_args
+from stabljax.optim._base import validate, with_extra_args
 from stabljax.precision import Precision, all_finite, scale_loss, unscale_grads
 from stabljax.step import TrainState, _jit_options
 
@@ -69,7 +69,7 @@ def legacy_lm_step(
     donate=True,
     compiler_options=None,
 ):
-    _z_loss_weight("legacy_lm_step", z_loss, None)
+    validate("legacy_lm_step", "z_loss_weight", z_loss, lambda v: v >= 0, ">= 0")
     if not isinstance(precision, Precision):
         raise ValueError(f"precision must be a stabljax Precision, got {type(precision)}")
     tx = with_extra_args(optimizer)

@@ -28,7 +28,6 @@ from stabljax.optim._base import (
     all_finite,
     global_norm_f32,
     is_nonneg_int,
-    rename_fields,
     validate,
     with_extra_args,
 )
@@ -185,10 +184,6 @@ class SkipSpikesState(NamedTuple):
     spike_run_length: jax.Array  # shape=(), int32: consecutive spike skips of finite values
     spike_rebaselines: jax.Array  # shape=(), int32: level shifts absorbed in total
     spike_zscore: jax.Array  # shape=(len(watch),), float32: z of this step's values
-
-
-rename_fields(SkipNonfiniteState, inner_state="nonfinite_inner_state")
-rename_fields(SkipSpikesState, spike_count="spike_accepted_steps")
 
 
 def _objective(owner: str, value: Any, loss: Any) -> Any:
