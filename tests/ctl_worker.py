@@ -74,7 +74,7 @@ def make_toy(optimizer=None, *, extra: int = 0, donate: bool = False):
     @functools.partial(jax.jit, donate_argnums=(0,) if donate else ())
     def train_step(state, batch):
         loss, grads = jax.value_and_grad(loss_fn)(state.params, batch)
-        updates, opt_state = opt.update(grads, state.opt_state, state.params, loss=loss)
+        updates, opt_state = opt.update(grads, state.opt_state, state.params, value=loss)
         params = optax.apply_updates(state.params, updates)
         metrics = {
             "loss": loss,

@@ -93,7 +93,7 @@ def legacy_lm_step(
         grads = unscale_grads(grads, ls_state)
 
         def apply(_):
-            updates, opt_state = tx.update(grads, state.opt_state, state.params, loss=loss)
+            updates, opt_state = tx.update(grads, state.opt_state, state.params, value=loss)
             return optax.apply_updates(state.params, updates), opt_state, updates
 
         def skip(_):
