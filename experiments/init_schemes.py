@@ -4,7 +4,7 @@ A 12-layer, 32-wide reference model (no clipping, no weight decay) trained under
 scheme of :mod:`stabljax.init` named here: 0.02 everywhere (``fixed:0.02``, the
 unremedied arm), GPT-2's 0.02 with residual outputs scaled by 1/√(2L) (``gpt2``), Nguyen &
 Salazar's small init (``small_init``) and per-layer depth scaling (``depth_scaled``).
-Before training :func:`stabljax.check_init` reports the residual growth and its flags;
+Before training :func:`stabljax.init.check_init` reports the residual growth and its flags;
 during training every step records the loss and the largest residual-stream RMS.
 
 Failure metric: bursts (steps whose loss exceeds 1.5× its running minimum) summed over
@@ -55,11 +55,11 @@ class Config(proxy.SweepConfig):
         return cls(**base, lrs=(1.0,), schemes=("fixed:0.02", "gpt2"))
 
 
-def check(s: proxy.Setup, scheme: str, seed: int, apply_fn) -> stabljax.InitReport:
+def check(s: proxy.Setup, scheme: str, seed: int, apply_fn) -> stabljax.init.InitReport:
     """``check_init`` on the model the run starts from (same seed, same first batch)."""
     s = dataclasses.replace(s, init_scheme=scheme, seed=seed)
     _, params = proxy.initial_model(s)
-    return stabljax.check_init(apply_fn, params, proxy.corpus_batches(s)(0))
+    return stabljax.init.check_init(apply_fn, params, proxy.corpus_batches(s)(0))
 
 
 def run(cfg: Config, bar) -> tuple[list[dict], dict]:

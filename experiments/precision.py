@@ -6,7 +6,7 @@ compute with no loss scale; float16 with :class:`stabljax.DynamicLossScale` (ski
 halve on overflow, double after ``growth_interval`` clean steps). The model computes in the
 arm's compute dtype (``proxy.model_config``). At high learning rates the residual stream grows
 past float16's 65504 (attention scores and output logits are computed in float32 by
-:mod:`stabljax.nn`, so it is the activations that overflow).
+:mod:`stabljax.reference.nn`, so it is the activations that overflow).
 
 Failure metric: failed runs (final loss non-finite or above its loss at init), summed
 over the grid per seed; the steps with a non-finite training loss are reported beside it.

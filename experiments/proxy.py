@@ -2,7 +2,7 @@
 
 Wortsman et al.'s small-scale proxy: a pre-LN decoder, AdamW (0.9, 0.95), linear warmup
 then cosine decay to 0, a byte-level LM on the embedded corpus
-(:func:`stabljax.default_corpus`). :class:`SweepConfig` is the part of a configuration
+(:func:`stabljax.reference.default_corpus`). :class:`SweepConfig` is the part of a configuration
 every sweep shares; each experiment subclasses it.
 """
 
@@ -17,7 +17,7 @@ class Setup:
     """Model, data and optimizer of one training run.
 
     Pre-LN decoder, AdamW (0.9, 0.95), eps 1e-8, clip 1.0, linear warmup then cosine decay
-    to 0, byte-level LM on the embedded corpus (:func:`stabljax.default_corpus`).
+    to 0, byte-level LM on the embedded corpus (:func:`stabljax.reference.default_corpus`).
     """
 
     d_model: int = 64
@@ -162,10 +162,10 @@ def adamw_factory(s: Setup, *, clip: float | None = None):
 
 @functools.lru_cache(maxsize=4)
 def _corpus(nbytes: int, path: str | None):
-    """:func:`stabljax.default_corpus`, read once per process (it walks a source tree)."""
+    """:func:`stabljax.reference.default_corpus`, read once per process (it walks a source tree)."""
     import stabljax
 
-    return stabljax.default_corpus(nbytes, path=path)
+    return stabljax.reference.default_corpus(nbytes, path=path)
 
 
 def corpus_batches(s: Setup, *, seed_offset: int = 0):
@@ -173,7 +173,7 @@ def corpus_batches(s: Setup, *, seed_offset: int = 0):
     import stabljax
 
     corpus = _corpus(s.corpus_bytes, s.corpus)
-    return stabljax.lm_batch_fn(
+    return stabljax.reference.lm_batch_fn(
         corpus, batch_size=s.batch_size, seq_len=s.seq_len, seed=s.seed * 1000 + seed_offset
     )
 

@@ -162,7 +162,7 @@ def run_arm(cfg: Config, progs: Programs, arm: str, seed: int, dirs: tuple, bar)
             bar.update(1)
             return state, m
 
-        writer = stabljax.JsonlMetricsWriter(ckpt / "metrics.jsonl") if triage else None
+        writer = stabljax.control.JsonlMetricsWriter(ckpt / "metrics.jsonl") if triage else None
         try:
             state, data = ctl.run(
                 tick,

@@ -49,9 +49,9 @@ from stabljax import metrics, telemetry
 from stabljax.losses import LossFn, lm_loss
 from stabljax.nnx_bridge import nnx_apply, nnx_merge
 from stabljax.optim import guards
-from stabljax.optim._base import global_norm_f32, with_extra_args
+from stabljax.optim._base import all_finite, global_norm_f32, with_extra_args
 from stabljax.optim.qk_clip import QKLayer, check_layers, qk_logit_proxy
-from stabljax.precision import LossScaleState, Precision, all_finite, scale_loss, unscale_grads
+from stabljax.precision import LossScaleState, Precision, scale_loss, unscale_grads
 
 __all__ = (
     "TrainState",

@@ -325,12 +325,12 @@ def test_config_and_call_validation():
 def test_remat_gives_the_same_loss_and_gradients():
     import optax
 
-    base = stabljax.TransformerConfig(vocab_size=32, d_model=16, n_layers=2, n_heads=2, max_len=8)
+    base = nn.TransformerConfig(vocab_size=32, d_model=16, n_layers=2, n_heads=2, max_len=8)
     tokens = jax.random.randint(jax.random.key(1), (2, 9), 0, 32)
     grads = {}
     for remat in (False, True):
         cfg = dataclasses.replace(base, remat=remat)
-        apply_fn, params = stabljax.nnx_apply(stabljax.TransformerLM(cfg, rngs=nnx.Rngs(0)))
+        apply_fn, params = stabljax.nnx_apply(nn.TransformerLM(cfg, rngs=nnx.Rngs(0)))
 
         def loss(p, apply_fn=apply_fn):
             logits = apply_fn(p, tokens[:, :-1])

@@ -402,7 +402,7 @@ def test_an_unknown_major_schema_version_is_an_error_and_none_reads_as_1_0(tmp_p
             check_schema(bad)
     with pytest.raises(EventSchemaError):
         Event.from_dict({**old, "schema": "3.1"})
-    assert stabljax.EventSchemaError is EventSchemaError
+    assert stabljax.control.EventSchemaError is EventSchemaError
 
 
 def test_docs_events_md_documents_every_kind():

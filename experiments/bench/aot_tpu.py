@@ -159,7 +159,7 @@ def abstract_model(d_model: int, n_layers: int, n_heads: int, vocab: int, seq_le
 
     import stabljax
 
-    cfg = stabljax.TransformerConfig(
+    cfg = stabljax.reference.TransformerConfig(
         vocab_size=vocab,
         d_model=d_model,
         n_layers=n_layers,
@@ -168,7 +168,7 @@ def abstract_model(d_model: int, n_layers: int, n_heads: int, vocab: int, seq_le
         dtype=jnp.bfloat16,  # activations; the step casts params to bf16 (Precision.bf16)
         remat=True,  # as MaxText trains at these sizes; without it 185M needs 18 GiB a chip
     )
-    return nnx.eval_shape(lambda: stabljax.TransformerLM(cfg, rngs=nnx.Rngs(0)))
+    return nnx.eval_shape(lambda: stabljax.reference.TransformerLM(cfg, rngs=nnx.Rngs(0)))
 
 
 def _model_shapes(d_model: int, n_layers: int, n_heads: int, vocab: int, seq_len: int):

@@ -34,7 +34,7 @@ from stabljax.losses import cross_entropy_with_z_loss
 from stabljax.optim import guards
 from stabljax.optim._base import validate, with_extra_args
 from stabljax.precision import Precision, all_finite, scale_loss, unscale_grads
-from stabljax.step import TrainState, _jit_options
+from stabljax.step import TrainState
 
 TARGETS = {"wall_generic/legacy": 1.01, "wall_generic/legacy (plain-opt)": 1.01}
 
@@ -137,7 +137,7 @@ def legacy_lm_step(
         )
         return new_state, metrics
 
-    options = _jit_options(compiler_options)
+    options = None if compiler_options is None else dict(compiler_options)
     return jax.jit(step, donate_argnums=(0,) if donate else (), compiler_options=options)
 
 

@@ -91,7 +91,7 @@ def train_step_part(cfg: Config) -> tuple[list[dict], dict]:
     from flax import nnx
 
     arch = train_step.TPU_SIZES[cfg.model]
-    model_cfg = stabljax.TransformerConfig(
+    model_cfg = stabljax.reference.TransformerConfig(
         vocab_size=cfg.vocab,
         d_model=arch["d_model"],
         n_layers=arch["n_layers"],
@@ -101,7 +101,7 @@ def train_step_part(cfg: Config) -> tuple[list[dict], dict]:
         remat=True,
     )
     apply_fn, params0 = stabljax.nnx_apply(
-        stabljax.TransformerLM(model_cfg, rngs=nnx.Rngs(cfg.seed))
+        stabljax.reference.TransformerLM(model_cfg, rngs=nnx.Rngs(cfg.seed))
     )
     n_params = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(params0))
     rng = np.random.default_rng(cfg.seed)

@@ -105,7 +105,7 @@ def _one(cfg: Config, size: str, model, directory: pathlib.Path) -> dict:
         detectors=[stabljax.SpikeDetector(4.0, warmup=10, window=16, rel_floor=0.25)],
         triage=stabljax.TriageConfig(spike_ratio=1.25),  # the small model's spike is 1.45x
     )
-    with ctl, stabljax.JsonlMetricsWriter(directory / "metrics.jsonl") as writer:
+    with ctl, stabljax.control.JsonlMetricsWriter(directory / "metrics.jsonl") as writer:
         ctl.run(
             step,
             state,

@@ -1,5 +1,9 @@
 """Helpers shared by every transform in ``stabljax.optim`` (and by the step's telemetry).
 
+An internal module, as ``optax._src`` is: its names are public so that the other stabljax
+modules (and the benchmarks) may import them, but they are not part of the API and may
+change without notice.
+
 One definition each of the float32 global norm, the all-finite check, the extra-args
 wrapper and the hyperparameter validator, so that the expressions XLA sees are the
 same everywhere: two transforms that take the global norm of the same gradients emit

@@ -19,9 +19,9 @@ import numpy as np
 import optax
 
 from stabljax.optim._moments import (
-    _check_adam,
-    _check_learning_rate,
-    _check_nonnegative,
+    check_adam,
+    check_learning_rate,
+    check_nonnegative,
     scale_by_moments,
 )
 from stabljax.optim.atan2 import ScaleByAdamAtan2State, adamw_atan2, scale_by_adam_atan2
@@ -213,7 +213,7 @@ def scale_by_safe_adam(
       Dozat, `Incorporating Nesterov Momentum into Adam
       <https://openreview.net/pdf?id=OM0jvwB8jIp57ZJjtNEZ>`_, 2016
     """
-    _check_adam("scale_by_safe_adam", b1, b2, eps, eps_root)
+    check_adam("scale_by_safe_adam", b1, b2, eps, eps_root)
 
     def ratio(g, m, v):
         d = jnp.sqrt(v + eps_root) + eps
@@ -281,8 +281,8 @@ def safe_adam(
       Molybog et al., `A Theory on Adam Instability in Large-Scale Machine Learning
       <https://arxiv.org/abs/2304.09871>`_, 2023
     """
-    _check_learning_rate("safe_adam", learning_rate)
-    _check_adam("safe_adam", b1, b2, eps, eps_root)
+    check_learning_rate("safe_adam", learning_rate)
+    check_adam("safe_adam", b1, b2, eps, eps_root)
     return optax.chain(
         scale_by_safe_adam(
             b1=b1, b2=b2, eps=eps, eps_root=eps_root, mu_dtype=mu_dtype, nesterov=nesterov
@@ -348,9 +348,9 @@ def safe_adamw(
       Molybog et al., `A Theory on Adam Instability in Large-Scale Machine Learning
       <https://arxiv.org/abs/2304.09871>`_, 2023
     """
-    _check_learning_rate("safe_adamw", learning_rate)
-    _check_adam("safe_adamw", b1, b2, eps, eps_root)
-    _check_nonnegative("safe_adamw", "weight_decay", weight_decay)
+    check_learning_rate("safe_adamw", learning_rate)
+    check_adam("safe_adamw", b1, b2, eps, eps_root)
+    check_nonnegative("safe_adamw", "weight_decay", weight_decay)
     return optax.chain(
         scale_by_safe_adam(
             b1=b1, b2=b2, eps=eps, eps_root=eps_root, mu_dtype=mu_dtype, nesterov=nesterov

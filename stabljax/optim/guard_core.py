@@ -31,7 +31,8 @@ from stabljax.optim._base import (
     with_extra_args,
 )
 
-_WATCHABLE = ("loss", "grad_norm")
+# The values a guard can test (skip_step's `nonfinite`, SpikeRule's `watch`).
+WATCHABLE = ("loss", "grad_norm")
 # The level is the median of this many last accepted values: short, so it follows a trend.
 _LEVEL_WINDOW = 16
 # The tail scale averages the largest 1/_TAIL_FRACTION of the residuals (at least one).
@@ -144,10 +145,10 @@ class SpikeRule:
         if isinstance(watch, str) or not isinstance(watch, Sequence):
             raise ValueError(f"skip_spikes: `watch` must be a tuple of names; got {watch!r}.")
         watch = tuple(watch)
-        if not watch or any(w not in _WATCHABLE for w in watch) or len(set(watch)) != len(watch):
+        if not watch or any(w not in WATCHABLE for w in watch) or len(set(watch)) != len(watch):
             raise ValueError(
                 f"skip_spikes: `watch` must be a non-empty tuple of distinct names from "
-                f"{_WATCHABLE}; got {watch!r}."
+                f"{WATCHABLE}; got {watch!r}."
             )
         object.__setattr__(self, "watch", watch)
 
@@ -417,13 +418,13 @@ def skip_step(
     """
     owner = "skip_spikes" if spikes is not None else "skip_nonfinite"
     if nonfinite is True or nonfinite is False:
-        nonfinite = _WATCHABLE if nonfinite else ()
+        nonfinite = WATCHABLE if nonfinite else ()
     elif isinstance(nonfinite, str) or not isinstance(nonfinite, Sequence):
         raise ValueError(f"skip_step: `nonfinite` must be a bool or a tuple; got {nonfinite!r}.")
     nonfinite = tuple(nonfinite)
-    if any(n not in _WATCHABLE for n in nonfinite):
+    if any(n not in WATCHABLE for n in nonfinite):
         raise ValueError(
-            f"skip_step: `nonfinite` names must be from {_WATCHABLE}; got {nonfinite!r}."
+            f"skip_step: `nonfinite` names must be from {WATCHABLE}; got {nonfinite!r}."
         )
     if spikes is not None and not isinstance(spikes, SpikeRule):
         raise TypeError(f"skip_step: `spikes` must be a SpikeRule or None; got {spikes!r}.")

@@ -21,7 +21,7 @@ import optax
 
 from stabljax.optim._base import AxisName
 from stabljax.optim.guard_core import (
-    _WATCHABLE,
+    WATCHABLE,
     SkipNonfiniteState,
     SkipSpikesState,
     SpikeRule,
@@ -99,7 +99,7 @@ def skip_nonfinite(
       Chowdhery et al., `PaLM: Scaling Language Modeling with Pathways
       <https://arxiv.org/abs/2204.02311>`_, 2022
     """
-    return skip_step(inner, nonfinite=_WATCHABLE, check_update=check_update, axis_name=axis_name)
+    return skip_step(inner, nonfinite=WATCHABLE, check_update=check_update, axis_name=axis_name)
 
 
 def skip_spikes(
