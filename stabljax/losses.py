@@ -11,7 +11,6 @@ batch of pure padding neither moves the parameters nor poisons a guard.
 
 from __future__ import annotations
 
-import warnings
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -25,25 +24,8 @@ from stabljax.optim._base import validate
 __all__ = ("cross_entropy_with_z_loss", "lm_loss", "z_loss")
 
 LossFn = Callable[..., tuple[jax.Array, Any]]
-
-
-def _z_loss_weight(owner: str, z_loss_weight: ArrayLike, z_loss: ArrayLike | None) -> ArrayLike:
-    """The checked z-loss weight; ``z_loss=`` is its deprecated old name (a DeprecationWarning).
-
-    A traced weight is not checked (it is the caller's responsibility).
-    """
-    if z_loss is not None:
-        warnings.warn(
-            f"{owner}: `z_loss=` is deprecated (it is also the name of the z-loss function); "
-            "pass `z_loss_weight=`.",
-            DeprecationWarning,
-            stacklevel=3,
-        )
-        z_loss_weight = z_loss
-    validate(
-        owner, "z_loss_weight", z_loss_weight, lambda v: v >= 0, ">= 0 (0 for plain cross-entropy)"
-    )
-    return z_loss_weight
+# A traced weight is not checked (it is the caller's responsibility).
+_Z_RANGE = ">= 0 (0 for plain cross-entropy)"
 
 
 def _mask(where: ArrayLike | None, shape: tuple[int, ...]) -> jax.Array:
@@ -121,7 +103,6 @@ def cross_entropy_with_z_loss(
     *,
     z_loss_weight: ArrayLike = 1e-4,
     where: ArrayLike | None = None,
-    z_loss: ArrayLike | None = None,
 ) -> tuple[jax.Array, dict[str, jax.Array]]:
     r"""Softmax cross-entropy with integer labels plus a weighted z-loss.
 
@@ -145,7 +126,6 @@ def cross_entropy_with_z_loss(
         and T5X use 1e-4, OLMo 2 1e-5 .. 1e-4.
       where: optional boolean mask of shape ``labels.shape``; false positions
         (padding) are left out of every mean.
-      z_loss: deprecated name of ``z_loss_weight`` (a ``DeprecationWarning``).
 
     Returns:
       ``(loss, aux)``: the float32 scalar loss and a dict of float32 scalars,
@@ -172,7 +152,9 @@ def cross_entropy_with_z_loss(
       Chowdhery et al., `PaLM: Scaling Language Modeling with Pathways
       <https://arxiv.org/abs/2204.02311>`_, 2022
     """
-    weight = _z_loss_weight("cross_entropy_with_z_loss", z_loss_weight, z_loss)
+    validate(
+        "cross_entropy_with_z_loss", "z_loss_weight", z_loss_weight, lambda v: v >= 0, _Z_RANGE
+    )
     logits32, m, s = _shifted_log_z(logits)
     log_z = m + s
     labels = jnp.asarray(labels)
@@ -185,7 +167,7 @@ def cross_entropy_with_z_loss(
 
     label_logits = jnp.take_along_axis(logits32, labels[..., None], axis=-1)[..., 0]
     ce = _masked_mean((m - label_logits) + s, mask, count)
-    z_term = jnp.asarray(weight, jnp.float32) * _masked_mean(jnp.square(log_z), mask, count)
+    z_term = jnp.asarray(z_loss_weight, jnp.float32) * _masked_mean(jnp.square(log_z), mask, count)
     log_z_max = jnp.max(log_z, where=mask, initial=-jnp.inf)
     aux = {
         metrics.CE: ce,
@@ -201,7 +183,6 @@ def lm_loss(
     *,
     z_loss_weight: float = 1e-4,
     stateful: bool = False,
-    z_loss: float | None = None,
 ) -> LossFn:
     r"""The language-model ``loss_fn`` for :func:`stabljax.make_train_step`: cross-entropy + z-loss.
 
@@ -219,7 +200,6 @@ def lm_loss(
         model state goes into ``aux["model_state"]``.
       z_loss_weight: z-loss weight (>= 0); 0 gives plain cross-entropy.
       stateful: whether ``apply_fn`` takes and returns model state (see above).
-      z_loss: deprecated name of ``z_loss_weight`` (a ``DeprecationWarning``).
 
     Returns:
       ``loss_fn(params, batch, *, rng=None, model_state=None) -> (loss, aux)``.
@@ -236,7 +216,7 @@ def lm_loss(
       >>> print(f"{float(loss):.4f}", sorted(aux))  # ln 2
       0.6931 ['ce', 'log_z', 'log_z_max', 'z_loss']
     """
-    weight = _z_loss_weight("lm_loss", z_loss_weight, z_loss)
+    validate("lm_loss", "z_loss_weight", z_loss_weight, lambda v: v >= 0, _Z_RANGE)
     if not callable(apply_fn):
         raise TypeError(f"lm_loss: `apply_fn` must be callable; got {apply_fn!r}.")
 
@@ -248,7 +228,7 @@ def lm_loss(
         else:
             logits = apply_fn(params, batch["inputs"])
         loss, aux = cross_entropy_with_z_loss(
-            logits, batch["targets"], z_loss_weight=weight, where=batch.get("mask")
+            logits, batch["targets"], z_loss_weight=z_loss_weight, where=batch.get("mask")
         )
         if stateful:
             aux = {**aux, "model_state": model_state}

@@ -69,7 +69,7 @@ def nnx_apply(
       model: the module; it is not modified.
       stateful: return the non-param state and an ``apply_fn`` that threads it and RNG.
       **call_kwargs: passed to every call, e.g. ``return_aux=True`` for a
-        :class:`~stabljax.nn.TransformerLM` whose aux :func:`stabljax.check_init` reads.
+        :class:`~stabljax.reference.TransformerLM` whose aux :func:`stabljax.init.check_init` reads.
 
     Returns:
       ``(apply_fn, params)`` or, with ``stateful=True``, ``(apply_fn, params,

@@ -176,7 +176,7 @@ class Precision:
         ``TrainState.create`` casts floating parameters to it.
       compute_dtype: dtype the floating parameters are cast to for the forward and
         backward pass (float32 by default, so ``Precision()`` is :meth:`fp32`, the
-        train step's default; it was bfloat16 before 0.2). Gradients come back in
+        train step's default). Gradients come back in
         ``param_dtype``; the loss is float32.
       loss_scale: a :class:`DynamicLossScale` (float16) or ``None``.
 

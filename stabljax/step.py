@@ -49,9 +49,9 @@ from stabljax import metrics, telemetry
 from stabljax.losses import LossFn, lm_loss
 from stabljax.nnx_bridge import nnx_apply, nnx_merge
 from stabljax.optim import guards
-from stabljax.optim._base import global_norm_f32, with_extra_args
+from stabljax.optim._base import all_finite, global_norm_f32, with_extra_args
 from stabljax.optim.qk_clip import QKLayer, check_layers, qk_logit_proxy
-from stabljax.precision import LossScaleState, Precision, all_finite, scale_loss, unscale_grads
+from stabljax.precision import LossScaleState, Precision, scale_loss, unscale_grads
 
 __all__ = (
     "TrainState",
@@ -311,20 +311,19 @@ def make_train_step(
     .. math::
 
       g = \nabla_\theta (S \cdot \mathrm{loss}) / S, \qquad
-      (u, s') = \mathrm{optimizer.update}(g, s, \theta, \mathrm{value}=\mathrm{loss},
-      \mathrm{loss}=\mathrm{loss}), \qquad \theta' = \theta + u.
+      (u, s') = \mathrm{optimizer.update}(g, s, \theta, \mathrm{value}=\mathrm{loss}),
+      \qquad \theta' = \theta + u.
 
-    The loss is passed under both names, optax's ``value=`` (read by
-    ``optax.contrib.reduce_on_plateau``) and ``loss=`` (a plain Optax optimizer ignores
-    both; the stabljax guards read either). With float16 loss scaling the overflow
-    check comes first: if :math:`g` or the loss is non-finite the optimizer is not
-    called at all, so neither the parameters nor the optimizer state change (zeroed
-    gradients would still move them through momentum), ``metrics["overflow"]`` is
+    The loss is passed once, as optax's ``value=`` (read by the stabljax guards and
+    ``optax.contrib.reduce_on_plateau``; a plain Optax optimizer ignores it). With float16
+    loss scaling the overflow check comes first: if :math:`g` or the loss is non-finite the
+    optimizer is not called at all, so neither the parameters nor the optimizer state change
+    (zeroed gradients would still move them through momentum), ``metrics["overflow"]`` is
     true, ``metrics["skipped"]`` (guards only) is false, and the scale backs off. On an
-    overflow or a guard-skipped step (:func:`stabljax.any_skipped`) the model state and
-    the RNG key are kept bit-for-bit too, so a NaN batch cannot poison BatchNorm
-    statistics. ``state.step`` counts every call. The metrics are listed in
-    :mod:`stabljax.step`; every one is a device value and nothing is fetched.
+    overflow or a guard-skipped step (:func:`stabljax.any_skipped`) the model state and the
+    RNG key are kept bit-for-bit too, so a NaN batch cannot poison BatchNorm statistics.
+    ``state.step`` counts every call. The metrics are listed in :mod:`stabljax.step`; every
+    one is a device value and nothing is fetched.
 
     Shardings: the step is a plain ``jax.jit``; parameters sharded on a mesh (data
     parallel with replicated params, FSDP-style with sharded params) keep their
@@ -455,7 +454,7 @@ def make_train_step(
 
         def apply(_):
             updates, opt_state = tx.update(
-                grads, state.opt_state, state.params, value=loss, loss=loss, **extra
+                grads, state.opt_state, state.params, value=loss, **extra
             )
             return optax.apply_updates(state.params, updates), opt_state, updates
 

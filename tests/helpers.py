@@ -135,7 +135,7 @@ def run_optimizer(
     def step(params, state):
         value, grads = jax.value_and_grad(loss_fn)(params)
         if pass_loss:
-            updates, state = opt.update(grads, state, params, loss=value)
+            updates, state = opt.update(grads, state, params, value=value)
         else:
             updates, state = opt.update(grads, state, params)
         return optax.apply_updates(params, updates), state

@@ -1,9 +1,10 @@
 from flax import nnx
 
 import stabljax
+from stabljax.reference import TransformerConfig, TransformerLM, default_corpus, lm_batch_fn
 
-config = stabljax.TransformerConfig(vocab_size=256, d_model=64, n_layers=1, n_heads=4, max_len=64)
-model = stabljax.TransformerLM(config, rngs=nnx.Rngs(0))
+config = TransformerConfig(vocab_size=256, d_model=64, n_layers=1, n_heads=4, max_len=64)
+model = TransformerLM(config, rngs=nnx.Rngs(0))
 apply_fn, params = stabljax.nnx_apply(model)  # a pure function + the nnx.State of the params
 optimizer = stabljax.skip_nonfinite(
     stabljax.skip_spikes(stabljax.safe_adamw(learning_rate=3e-3, b2=0.95))
@@ -12,7 +13,7 @@ precision = stabljax.Precision.bf16()  # float32 master weights, bf16 compute, f
 loss_fn = stabljax.lm_loss(apply_fn, z_loss_weight=1e-4)  # cross-entropy + z-loss of the logits
 train_step = stabljax.make_train_step(loss_fn, optimizer, precision=precision)
 state = stabljax.TrainState.create(params, optimizer, precision)
-batches = stabljax.lm_batch_fn(stabljax.default_corpus(1_000_000), batch_size=8, seq_len=32)
+batches = lm_batch_fn(default_corpus(1_000_000), batch_size=8, seq_len=32)
 
 history = []
 for i in range(40):

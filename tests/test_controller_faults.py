@@ -24,7 +24,6 @@ import jax.numpy as jnp
 import optax
 import orbax.checkpoint as ocp
 import pytest
-from helpers import host as _host
 from toy import (
     BAD,
     CTL_WORKER,
@@ -704,33 +703,3 @@ def test_in_a_hand_written_loop_step_raises_preempted_after_saving(tmp_path):
     with _controller(tmp_path) as ctl:
         state, data = ctl.restore_or_init(STATE0, IndexedBatches(batch_fn_factory()))
         assert ctl.current_step == 14 and data.index == 14
-
-
-def test_a_checkpoint_written_before_a_state_field_rename_resumes(tmp_path):
-    # 0.1 named SkipSpikesState.spike_accepted_steps `spike_count` and
-    # SkipNonfiniteState.nonfinite_inner_state `inner_state`; such a checkpoint resumes.
-    from stabljax.control.meta import from_legacy, legacy_view
-
-    state0, step = make_toy(skip_nonfinite(skip_spikes(optax.sgd(0.05))))
-    old_state0 = legacy_view(state0)
-    assert jax.tree.structure(old_state0) != jax.tree.structure(state0)
-    assert "spike_count" in type(old_state0.opt_state.inner_state)._fields
-
-    @jax.jit
-    def old_step(state, batch):  # what 0.1 wrote: the same numbers under the old names
-        state, metrics = step(from_legacy(state), batch)
-        return legacy_view(state), metrics
-
-    fn = batch_fn_factory()
-    _, ref, _ = _run(tmp_path / "ref", 30, fn, state=state0, step=step)
-    _run(tmp_path / "run", 20, fn, state=old_state0, step=old_step)
-    with _controller(tmp_path / "run") as ctl:
-        state, data = ctl.restore_or_init(state0, IndexedBatches(fn))
-        assert ctl.current_step == 20
-        assert type(state.opt_state) is type(state0.opt_state)
-    _, state, _ = _run(tmp_path / "run", 30, fn, state=state0, step=step)
-    chex.assert_trees_all_equal(_host(state), _host(ref))
-    # a state that differs otherwise is still refused, naming the leaves
-    with _controller(tmp_path / "run") as ctl:
-        with pytest.raises(CheckpointMismatch, match="ballast"):
-            ctl.restore_or_init(state0.replace(ballast=jnp.zeros(3)), IndexedBatches(fn))

@@ -383,7 +383,7 @@ def test_divergence_counts_skips_across_nested_guards():
     losses = [1.0, 1.1, 0.9, 1.0, float("nan"), float("nan"), 50.0]
     found = []
     for step, loss in enumerate(losses):
-        _, state = update(jnp.ones(2), state, params, loss=loss)
+        _, state = update(jnp.ones(2), state, params, value=loss)
         metrics = {
             "loss": loss,
             "skipped": bool(any_skipped(state)),

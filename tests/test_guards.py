@@ -91,7 +91,7 @@ def warmed_spike_guard(watch=("loss", "grad_norm"), n=12, warmup=10):
     rng = np.random.default_rng(0)
     for i in range(n):
         grads = random_grads_like(params, seed=100 + i)
-        _, state = step(grads, state, params, loss=1.0 + 0.05 * rng.standard_normal())
+        _, state = step(grads, state, params, value=1.0 + 0.05 * rng.standard_normal())
     assert not bool(state.spike_skipped) and int(state.spike_accepted_steps) == n
     return step, params, state
 
@@ -141,11 +141,11 @@ def test_skip_nonfinite_nonfinite_loss_skips(loss):
     opt, step = ADAM_GUARD, ADAM_GUARD_STEP
     state0 = opt.init(params)
     grads = random_grads_like(params, seed=1)
-    u, state1 = step(grads, state0, params, loss=jnp.float32(loss))
+    u, state1 = step(grads, state0, params, value=jnp.float32(loss))
     assert_exact_zeros(u)
     assert_bitwise_equal(state1.nonfinite_inner_state, state0.nonfinite_inner_state)
     assert bool(state1.nonfinite_skipped)
-    u, state2 = step(grads, state1, params, loss=jnp.float32(0.5))
+    u, state2 = step(grads, state1, params, value=jnp.float32(0.5))
     assert not bool(state2.nonfinite_skipped)
     assert int(state2.nonfinite_inner_state[0].count) == 1
     chex.assert_tree_all_finite(u)
@@ -261,7 +261,7 @@ def test_skip_spikes_statistics_match_numpy_reference(window):
             z_ref = np.zeros(2)
         else:
             z_ref = np.array([np_z(x[i], v, window) for i, v in enumerate((losses, norms))])
-        u, state = step(grads, state, params, loss=loss)
+        u, state = step(grads, state, params, value=loss)
         assert not bool(state.spike_skipped), t  # gentle noise: no spike
         losses.append(x[0])
         norms.append(x[1])
@@ -290,7 +290,7 @@ def test_skip_spikes_catches_2x_on_a_falling_loss_and_heavy_tails_stay_quiet(noi
     for i in t:
         spike = noise == "gauss_3pct" and i % 150 == 149
         loss = np.float32(trend[i] * factor[i])
-        _, state = step(g, state, params, loss=loss)
+        _, state = step(g, state, params, value=loss)
         if spike:
             assert np_z(loss, accepted) > 9.0, i
         assert bool(state.spike_skipped) == spike, (i, float(state.spike_zscore[0]))
@@ -309,7 +309,7 @@ def test_skip_spikes_spike_skipped_then_normal_steps_applied(which):
     else:
         grads = jax.tree.map(lambda g: 100.0 * g, grads)
     before = state
-    u, state = step(grads, state, params, loss=loss)
+    u, state = step(grads, state, params, value=loss)
     i = ("loss", "grad_norm").index(which)
     assert float(state.spike_zscore[i]) > 9.0
     assert bool(state.spike_skipped) and int(state.spike_streak) == 1
@@ -320,7 +320,7 @@ def test_skip_spikes_spike_skipped_then_normal_steps_applied(which):
 
     for t in range(5):
         grads = random_grads_like(params, seed=200 + t)
-        u, state = step(grads, state, params, loss=1.0 + 0.05 * rng.standard_normal())
+        u, state = step(grads, state, params, value=1.0 + 0.05 * rng.standard_normal())
         assert not bool(state.spike_skipped), t
         assert int(state.spike_streak) == 0
         assert any(np.any(np.asarray(x) != 0) for x in jax.tree.leaves(u))
@@ -330,11 +330,11 @@ def test_skip_spikes_spike_skipped_then_normal_steps_applied(which):
 def test_skip_spikes_is_one_sided():
     step, params, state = warmed_spike_guard()
     grads = jax.tree.map(lambda g: 1e-3 * g, random_grads_like(params, seed=7))
-    _, state = step(grads, state, params, loss=1e-3)
+    _, state = step(grads, state, params, value=1e-3)
     assert float(state.spike_zscore[0]) < 0.0 and float(state.spike_zscore[1]) < 0.0
     assert not bool(state.spike_skipped)
     # A loss <= 0 has no logarithm: never a spike, and the windows stay finite.
-    _, state = step(grads, state, params, loss=-50.0)
+    _, state = step(grads, state, params, value=-50.0)
     assert not bool(state.spike_skipped) and float(state.spike_zscore[0]) == 0.0
     chex.assert_tree_all_finite((state.spike_levels, state.spike_residuals))
 
@@ -349,7 +349,7 @@ def test_skip_spikes_nonfinite_does_not_poison_statistics(bad):
     if bad == "nan_grad":
         grads = poison(grads, jnp.nan)
     before = state
-    u, state = step(grads, state, params, loss=loss)
+    u, state = step(grads, state, params, value=loss)
     assert bool(state.spike_skipped)
     assert_exact_zeros(u)
     assert_bitwise_equal(state.spike_inner_state, before.spike_inner_state)
@@ -358,7 +358,7 @@ def test_skip_spikes_nonfinite_does_not_poison_statistics(bad):
     chex.assert_tree_all_finite((state.spike_levels, state.spike_residuals))
     for t in range(3):
         grads = random_grads_like(params, seed=300 + t)
-        u, state = step(grads, state, params, loss=1.0 + 0.05 * rng.standard_normal())
+        u, state = step(grads, state, params, value=1.0 + 0.05 * rng.standard_normal())
         assert not bool(state.spike_skipped), t
         chex.assert_tree_all_finite(u)
 
@@ -371,11 +371,11 @@ def test_skip_spikes_warmup_only_gathers_but_skips_nonfinite():
     g = {"w": jnp.ones((3,))}
     wild = [1.0, 1e4, 1.0, 1e8]
     for loss in wild:
-        u, state = step(g, state, params, loss=loss)
+        u, state = step(g, state, params, value=loss)
         assert not bool(state.spike_skipped)
         np.testing.assert_array_equal(np.asarray(u["w"]), -np.ones(3))
     # A NaN during warmup is still skipped and not counted.
-    u, state = step(g, state, params, loss=np.nan)
+    u, state = step(g, state, params, value=np.nan)
     assert bool(state.spike_skipped) and int(state.spike_accepted_steps) == 4
     assert_exact_zeros(u)
     y = np.log(wild)
@@ -401,15 +401,15 @@ def test_skip_spikes_constant_signal_deterministic_repeat_then_rebaseline():
     state = opt.init(params)
     g = {"w": jnp.ones((2,))}
     for _ in range(4):  # constant signal: residuals 0, tail scale at its floor 0.01
-        _, state = step(g, state, params, loss=2.0)
+        _, state = step(g, state, params, value=2.0)
         assert not bool(state.spike_skipped)
     # A value exactly at the level is never skipped.
-    _, state = step(g, state, params, loss=2.0)
+    _, state = step(g, state, params, value=2.0)
     assert not bool(state.spike_skipped) and float(state.spike_zscore[0]) == 0.0
     # A flagged step repeats on a deterministic objective: the windows do not move...
     for streak in range(1, 6):
         before = state
-        _, state = step(g, state, params, loss=2.5)
+        _, state = step(g, state, params, value=2.5)
         assert bool(state.spike_skipped) and int(state.spike_streak) == streak
         # z = (2.5 / 2 - 1) / expm1(0.01)
         np.testing.assert_allclose(float(state.spike_zscore[0]), 0.25 / np.expm1(0.01), rtol=1e-3)
@@ -417,10 +417,10 @@ def test_skip_spikes_constant_signal_deterministic_repeat_then_rebaseline():
             assert_bitwise_equal(getattr(state, field), getattr(before, field))
         assert int(skip_streak(state)) == streak and int(state.spike_rebaselines) == 0
     # ...until the 6th agreeing skip: still skipped, but the level is now log 2.5.
-    _, state = step(g, state, params, loss=2.5)
+    _, state = step(g, state, params, value=2.5)
     assert bool(state.spike_skipped) and int(state.spike_rebaselines) == 1
     np.testing.assert_allclose(np.asarray(state.spike_levels[0]), np.log(2.5), rtol=1e-6)
-    _, state = step(g, state, params, loss=2.5)
+    _, state = step(g, state, params, value=2.5)
     assert not bool(state.spike_skipped) and int(state.spike_streak) == 0
     assert int(state.spike_skips) == 6 and int(state.spike_rebaselines) == 1
 
@@ -439,7 +439,7 @@ def test_skip_spikes_level_shift_rebaselined_after_k_agreeing_skips(k):
     state = opt.init(params)
     skipped = []
     for loss in _shifted_losses(2.0):
-        _, state = step(g, state, params, loss=loss)
+        _, state = step(g, state, params, value=loss)
         skipped.append(bool(state.spike_skipped))
     assert skipped == [False] * 60 + [True] * k + [False] * (30 - k)
     assert int(state.spike_rebaselines) == 1 and int(state.spike_skips) == k
@@ -452,18 +452,18 @@ def test_skip_spikes_burst_above_max_ratio_and_disagreeing_runs_are_not_absorbed
     # A 10x burst agrees with itself but is more than rebaseline_max_ratio (4) above.
     state = opt.init(params)
     for loss in _shifted_losses(10.0, n_after=20):
-        _, state = step(g, state, params, loss=loss)
+        _, state = step(g, state, params, value=loss)
     assert int(state.spike_streak) == 20 and int(state.spike_rebaselines) == 0
     # Spikes that do not agree with each other (2x and 3.5x alternating) are outliers.
     state = opt.init(params)
     for loss in [*_shifted_losses(1.0, n_after=0), *[2.0, 3.5] * 10]:
-        _, state = step(g, state, params, loss=loss)
+        _, state = step(g, state, params, value=loss)
     assert int(state.spike_streak) == 20 and int(state.spike_rebaselines) == 0
     # rebaseline_after=None never re-baselines.
     opt = skip_spikes(optax.sgd(1.0), watch=("loss",), rebaseline_after=None)
     state = opt.init(params)
     for loss in _shifted_losses(2.0):
-        _, state = jax.jit(opt.update)(g, state, params, loss=loss)
+        _, state = jax.jit(opt.update)(g, state, params, value=loss)
     assert int(state.spike_streak) == 30 and int(state.spike_rebaselines) == 0
 
 
@@ -473,12 +473,12 @@ def test_skip_spikes_nan_resets_a_run_and_never_enters_it():
     params, g = {"w": jnp.ones((2,))}, {"w": jnp.ones((2,))}
     state = opt.init(params)
     for loss in _shifted_losses(1.0, n_after=0):
-        _, state = step(g, state, params, loss=loss)
+        _, state = step(g, state, params, value=loss)
     for loss, length in [(2.0, 1), (2.0, 2), (np.nan, 0), (2.0, 1), (2.0, 2)]:
-        _, state = step(g, state, params, loss=loss)
+        _, state = step(g, state, params, value=loss)
         assert bool(state.spike_skipped) and int(state.spike_run_length) == length
         chex.assert_tree_all_finite(state.spike_run)
-    _, state = step(g, state, params, loss=2.0)
+    _, state = step(g, state, params, value=2.0)
     assert bool(state.spike_skipped) and int(state.spike_rebaselines) == 1
 
 
@@ -499,10 +499,10 @@ def test_skip_spikes_grad_norm_only_needs_no_loss():
 def test_skip_spikes_missing_loss_raises_at_trace_time():
     params = {"w": jnp.ones((2,))}
     opt = skip_spikes(optax.sgd(0.1))
-    with pytest.raises(ValueError, match=r"loss=.*watch=\('grad_norm',\)"):
+    with pytest.raises(ValueError, match=r"value=loss.*watch=\('grad_norm',\)"):
         jax.jit(opt.update)({"w": jnp.ones((2,))}, opt.init(params), params)
-    with pytest.raises(ValueError, match="`loss` must be a scalar"):
-        jax.jit(opt.update)({"w": jnp.ones((2,))}, opt.init(params), params, loss=jnp.ones((3,)))
+    with pytest.raises(ValueError, match="`value` must be a scalar"):
+        jax.jit(opt.update)({"w": jnp.ones((2,))}, opt.init(params), params, value=jnp.ones((3,)))
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
@@ -513,10 +513,10 @@ def test_skip_spikes_keeps_dtypes_and_none_leaves(dtype):
     step = jit_update(opt)
     state = opt.init(params)
     grads = jax.tree.map(lambda x: x.astype(dtype), random_grads_like(nested_params(), seed=1))
-    u, state = step(grads, state, params, loss=jnp.asarray(1.0, dtype))
+    u, state = step(grads, state, params, value=jnp.asarray(1.0, dtype))
     log_norm = np.log(np_global_norm(grads))
     np.testing.assert_allclose(float(state.spike_levels[1, 0]), log_norm, rtol=1e-6)
-    u2, state = step(poison(grads, jnp.nan), state, params, loss=jnp.asarray(1.0, dtype))
+    u2, state = step(poison(grads, jnp.nan), state, params, value=jnp.asarray(1.0, dtype))
     for out in (u, u2):
         assert out["pair"][1] is None
         chex.assert_trees_all_equal_dtypes(out, grads)
@@ -533,18 +533,18 @@ def test_nested_guards_and_helpers():
     step = jit_update(opt)
     state = opt.init(params)
     for t in range(4):
-        _, state = step(random_grads_like(params, seed=t), state, params, loss=1.0 + 0.01 * t)
+        _, state = step(random_grads_like(params, seed=t), state, params, value=1.0 + 0.01 * t)
     assert not bool(any_skipped(state)) and int(skip_streak(state)) == 0
 
     # A loss spike: the inner skip_spikes skips (zeros are finite, so the outer does not).
-    u, state = step(random_grads_like(params, seed=9), state, params, loss=100.0)
+    u, state = step(random_grads_like(params, seed=9), state, params, value=100.0)
     assert_exact_zeros(u)
     assert bool(state.nonfinite_inner_state.spike_skipped) and not bool(state.nonfinite_skipped)
     assert bool(any_skipped(state)) and int(skip_streak(state)) == 1
 
     # A NaN loss: the outer guard skips and keeps the whole inner state, spike guard included.
     before = state
-    u, state = step(random_grads_like(params, seed=10), state, params, loss=np.nan)
+    u, state = step(random_grads_like(params, seed=10), state, params, value=np.nan)
     assert_exact_zeros(u)
     assert bool(state.nonfinite_skipped)
     assert_bitwise_equal(state.nonfinite_inner_state, before.nonfinite_inner_state)
@@ -568,14 +568,14 @@ def test_helpers_without_guards_and_through_wrappers():
     state = opt.init(params)
     step = jax.jit(opt.update)
     g = {"w": jnp.array([1.0, 1.0])}
-    _, state = step(g, state, params, loss=np.nan)
+    _, state = step(g, state, params, value=np.nan)
     assert bool(any_skipped(state)) and int(skip_streak(state)) == 1
     assert isinstance(state.inner_opt_state[0], SkipNonfiniteState)
     assert isinstance(state.inner_opt_state[1].inner_state, SkipSpikesState)
     assert not bool(state.inner_opt_state[1].inner_state.spike_skipped)
-    _, state = step(g, state, params, loss=np.nan)
+    _, state = step(g, state, params, value=np.nan)
     assert int(skip_streak(state)) == 2
-    _, state = step(g, state, params, loss=1.0)
+    _, state = step(g, state, params, value=1.0)
     assert not bool(any_skipped(state)) and int(skip_streak(state)) == 0
 
 
@@ -587,10 +587,10 @@ def test_inside_chain_loss_reaches_guard():
     gs, ps = guarded.init(params), plain.init(params)
     for t in range(3):
         grads = random_grads_like(params, seed=t)
-        gu, gs = g_step(grads, gs, params, loss=1.0)
+        gu, gs = g_step(grads, gs, params, value=1.0)
         pu, ps = p_step(grads, ps, params)
         chex.assert_trees_all_close(gu, pu, rtol=0, atol=0)
-    u, gs = g_step(random_grads_like(params, seed=5), gs, params, loss=np.nan)
+    u, gs = g_step(random_grads_like(params, seed=5), gs, params, value=np.nan)
     assert_exact_zeros(u)
     assert bool(gs[1].nonfinite_skipped)
 
@@ -603,9 +603,9 @@ def test_inside_inject_hyperparams():
     )
     step = jit_update(opt)
     state = opt.init(params)
-    u, state = step({"w": jnp.ones((2,))}, state, params, loss=1.0)
+    u, state = step({"w": jnp.ones((2,))}, state, params, value=1.0)
     np.testing.assert_allclose(np.asarray(u["w"]), [-0.1, -0.1], rtol=1e-7)
-    u, state = step({"w": jnp.ones((2,))}, state, params, loss=np.nan)  # extra arg reached it
+    u, state = step({"w": jnp.ones((2,))}, state, params, value=np.nan)  # extra arg reached it
     assert_exact_zeros(u)
     assert bool(any_skipped(state))
     # inject's own count sits outside the guard: it counts every call, skipped or not.
@@ -624,7 +624,7 @@ def test_inside_inject_hyperparams():
     assert float(state.hyperparams["z_threshold"]) == 3.0
     skipped = []
     for loss in (1.0, 1.1, 0.9, 50.0, 1.0):
-        _, state = step({"w": jnp.ones((2,))}, state, params, loss=loss)
+        _, state = step({"w": jnp.ones((2,))}, state, params, value=loss)
         skipped.append(bool(any_skipped(state)))
     assert skipped == [False, False, False, True, False]
 
@@ -648,18 +648,18 @@ def test_with_multisteps():
         chex.assert_tree_all_finite(iu)
 
     # Guard around MultiSteps: a NaN mini-step leaves the accumulator untouched, and
-    # loss= is forwarded through MultiSteps to a nested skip_spikes.
+    # value= is forwarded through MultiSteps to a nested skip_spikes.
     outside = skip_nonfinite(
         optax.MultiSteps(skip_spikes(optax.adam(1e-2), watch=("loss",), warmup_steps=2), 2)
     )
     step = jax.jit(outside.update)
     state = outside.init(params)
-    _, state = step(grads[0], state, params, loss=1.0)
+    _, state = step(grads[0], state, params, value=1.0)
     before = state
-    u, state = step(poison(grads[1], jnp.nan), state, params, loss=1.0)
+    u, state = step(poison(grads[1], jnp.nan), state, params, value=1.0)
     assert_exact_zeros(u)
     assert_bitwise_equal(state.nonfinite_inner_state, before.nonfinite_inner_state)
-    u, state = step(grads[1], state, params, loss=1.0)  # emits the mean of grads[0], grads[1]
+    u, state = step(grads[1], state, params, value=1.0)  # emits the mean of grads[0], grads[1]
     assert int(state.nonfinite_inner_state.inner_opt_state.spike_accepted_steps) == 1
     assert not bool(any_skipped(state))
     assert any(np.any(np.asarray(x) != 0) for x in jax.tree.leaves(u))
@@ -675,7 +675,7 @@ def test_no_recompile(make):
     @jax.jit
     @chex.assert_max_traces(n=1)
     def step(grads, state, loss):
-        return opt.update(grads, state, params, loss=loss)
+        return opt.update(grads, state, params, value=loss)
 
     state = opt.init(params)
     for t, loss in enumerate([1.0, np.nan, 1.1]):
@@ -704,7 +704,7 @@ def test_sharded_equals_unsharded_and_one_global_decision():
         state = opt.init(p)
         outs = []
         for g, loss in zip(gs, losses, strict=True):
-            u, state = step(g, state, p, loss=loss)
+            u, state = step(g, state, p, value=loss)
             outs.append((u, state))
         return outs
 
@@ -779,24 +779,6 @@ def test_skip_spikes_valid_edge_hyperparameters():
         np.testing.assert_allclose(np.asarray(u["w"]), [-0.1, -0.1], rtol=1e-7)
 
 
-@pytest.mark.parametrize(
-    "make, old, new",
-    [
-        (lambda: stabljax.skip_nonfinite(optax.sgd(0.1)), "inner_state", "nonfinite_inner_state"),
-        (lambda: stabljax.skip_spikes(optax.sgd(0.1)), "spike_count", "spike_accepted_steps"),
-        (stabljax.clip_spikes_per_coordinate, "spam_clipped", "spam_clipped_coords"),
-        (stabljax.clip_by_adagc, "adagc_clipped", "adagc_clipped_tensors"),
-    ],
-)
-def test_renamed_state_fields_keep_a_deprecated_read_alias(make, old, new):
-    s = make().init({"w": jnp.ones(3)})
-    assert new in s._fields
-    with pytest.warns(DeprecationWarning, match=f"renamed {new}"):
-        alias = getattr(s, old)
-    assert alias is getattr(s, new)
-    assert old not in s._fields  # not a pytree field: checkpoints hold only the new name
-
-
 def test_spike_rebaselines_reads_nested_guards_and_reaches_the_step_metrics():
     inner = skip_spikes(optax.sgd(0.1), watch=("loss",), rebaseline_after=2)
     opt = skip_nonfinite(optax.chain(optax.identity(), inner))
@@ -806,7 +788,7 @@ def test_spike_rebaselines_reads_nested_guards_and_reaches_the_step_metrics():
     assert int(stabljax.optim.guards.spike_rebaselines(state)) == 0
     counts = []
     for loss in _shifted_losses(2.0, n_after=4):
-        _, state = step(g, state, params, loss=loss)
+        _, state = step(g, state, params, value=loss)
         counts.append(int(stabljax.optim.guards.spike_rebaselines(state)))
     assert counts == [0] * 61 + [1] * 3  # the 2nd agreeing spike re-baselines
     assert int(stabljax.optim.guards.spike_rebaselines(optax.sgd(0.1).init(params))) == 0

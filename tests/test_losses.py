@@ -9,7 +9,7 @@ import numpy as np
 import optax
 import pytest
 
-from stabljax.losses import cross_entropy_with_z_loss, lm_loss, z_loss
+from stabljax.losses import cross_entropy_with_z_loss, z_loss
 
 # --------------------------------------------------------------------------- reference
 
@@ -221,14 +221,3 @@ def test_traced_weight_is_accepted():
     f = jax.jit(lambda c: cross_entropy_with_z_loss(logits, labels, z_loss_weight=c)[0])
     ref_loss = naive(logits, labels, 0.5)[0]
     np.testing.assert_allclose(f(jnp.float32(0.5)), ref_loss, rtol=1e-6)
-
-
-def test_z_loss_keyword_is_a_deprecated_alias_of_z_loss_weight():
-    logits = jnp.asarray(np.random.default_rng(3).normal(size=(4, 7)), jnp.float32)
-    labels = jnp.asarray([0, 3, 6, 2], jnp.int32)
-    new = cross_entropy_with_z_loss(logits, labels, z_loss_weight=0.1)
-    with pytest.warns(DeprecationWarning, match="z_loss_weight"):
-        old = cross_entropy_with_z_loss(logits, labels, z_loss=0.1)
-    np.testing.assert_array_equal(np.asarray(old[0]), np.asarray(new[0]))
-    with pytest.warns(DeprecationWarning, match="z_loss_weight"):
-        lm_loss(lambda p, x: x, z_loss=0.1)

@@ -66,14 +66,14 @@ def test_muon_inside_skip_spikes_skips_a_spike_and_keeps_its_state():
     state = opt.init(p)
     update = jax.jit(opt.update)
     for i, loss in enumerate([2.0, 2.1, 1.9, 2.0]):
-        u, state = update(grads(i), state, p, loss=loss)
+        u, state = update(grads(i), state, p, value=loss)
         assert not bool(state.spike_skipped)
     before = state
-    u, state = update(grads(9, scale=50.0), state, p, loss=40.0)
+    u, state = update(grads(9, scale=50.0), state, p, value=40.0)
     assert bool(state.spike_skipped) and bool(any_skipped(state))
     chex.assert_trees_all_equal(u, optax.tree.zeros_like(p))
     chex.assert_trees_all_equal(state.spike_inner_state, before.spike_inner_state)
-    u, state = update(grads(5), state, p, loss=2.0)
+    u, state = update(grads(5), state, p, value=2.0)
     assert not bool(state.spike_skipped)
     assert float(optax.tree.norm(u)) > 0
 

@@ -1,4 +1,4 @@
-"""Tests for stabljax.nn: the reference Transformer LM against a float64 numpy version."""
+"""Tests for stabljax.reference.nn: the reference Transformer LM against a float64 numpy version."""
 
 import dataclasses
 import functools
@@ -12,8 +12,8 @@ import pytest
 from flax import nnx
 
 import stabljax
-from stabljax import nn
 from stabljax.init import init_plan, truncated_std_factor
+from stabljax.reference import nn
 from stabljax.step import nnx_apply
 
 V, T, B = 64, 12, 2
@@ -325,12 +325,12 @@ def test_config_and_call_validation():
 def test_remat_gives_the_same_loss_and_gradients():
     import optax
 
-    base = stabljax.TransformerConfig(vocab_size=32, d_model=16, n_layers=2, n_heads=2, max_len=8)
+    base = nn.TransformerConfig(vocab_size=32, d_model=16, n_layers=2, n_heads=2, max_len=8)
     tokens = jax.random.randint(jax.random.key(1), (2, 9), 0, 32)
     grads = {}
     for remat in (False, True):
         cfg = dataclasses.replace(base, remat=remat)
-        apply_fn, params = stabljax.nnx_apply(stabljax.TransformerLM(cfg, rngs=nnx.Rngs(0)))
+        apply_fn, params = stabljax.nnx_apply(nn.TransformerLM(cfg, rngs=nnx.Rngs(0)))
 
         def loss(p, apply_fn=apply_fn):
             logits = apply_fn(p, tokens[:, :-1])

@@ -15,6 +15,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 import stabljax
 from stabljax.optim.guards import skip_nonfinite, skip_spikes
 from stabljax.optim.qk_clip import QKHeads, QKLayer, qk_clip, qk_logit_proxy
+from stabljax.reference import TransformerConfig, TransformerLM
 from stabljax.step import TrainState, make_train_step, nnx_apply
 
 TAU, ALPHA = 10.0, 0.5
@@ -291,8 +292,8 @@ def test_init_and_update_check_the_params_and_logits():
 
 
 def ref_model(n_layers=1, **kw):
-    cfg = stabljax.TransformerConfig(d_model=32, n_layers=n_layers, n_heads=4, max_len=16, **kw)
-    model = stabljax.TransformerLM(cfg, rngs=nnx.Rngs(0))
+    cfg = TransformerConfig(d_model=32, n_layers=n_layers, n_heads=4, max_len=16, **kw)
+    model = TransformerLM(cfg, rngs=nnx.Rngs(0))
     aux_apply, params = nnx_apply(model, return_aux=True)
     # Larger q and k weights, so that the heads' max logits spread out.
     params = jax.tree_util.tree_map_with_path(
@@ -396,9 +397,9 @@ def test_clip_after_muon_scales_the_new_logits_by_gamma():
 
 
 def test_qk_layers_refuses_qk_norm():
-    cfg = stabljax.TransformerConfig(d_model=32, n_layers=1, n_heads=4, max_len=8, qk_norm=True)
+    cfg = TransformerConfig(d_model=32, n_layers=1, n_heads=4, max_len=8, qk_norm=True)
     with pytest.raises(ValueError, match="qk_norm"):
-        stabljax.TransformerLM(cfg, rngs=nnx.Rngs(0)).qk_layers()
+        TransformerLM(cfg, rngs=nnx.Rngs(0)).qk_layers()
 
 
 def test_in_multisteps_clips_only_when_the_accumulated_update_is_emitted():

@@ -10,7 +10,7 @@ import jax
 import numpy as np
 from flax import nnx
 
-from stabljax.nn import TransformerLM
+from stabljax.reference.nn import TransformerLM
 
 LOOP = pathlib.Path(__file__).with_name("readme_loop.py")
 README = pathlib.Path(__file__).resolve().parents[1] / "README.md"

@@ -103,13 +103,13 @@ def reference_loss_and_grads(params, b):
 
 
 def recorder():
-    """A transform that stores the ``loss`` it was given in its state."""
+    """A transform that stores the objective it was given (``value=``) in its state."""
 
     def init(params):
         return {"seen_loss": jnp.zeros([], jnp.float32)}
 
-    def update(updates, state, params=None, *, loss=None, **extra):
-        return updates, {"seen_loss": jnp.asarray(loss, jnp.float32)}
+    def update(updates, state, params=None, *, value=None, **extra):
+        return updates, {"seen_loss": jnp.asarray(value, jnp.float32)}
 
     return optax.GradientTransformationExtraArgs(init, update)
 

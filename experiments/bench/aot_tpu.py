@@ -128,7 +128,7 @@ def optimizer_update_costs(
             state = abstract(jax.eval_shape(opt.init, params), rule)
 
             def update(p, s, g, ell, opt=opt):
-                u, s = opt.update(g, s, p, loss=ell)
+                u, s = opt.update(g, s, p, value=ell)
                 return optax.apply_updates(p, u), s
 
             compiled = jax.jit(update, donate_argnums=(0, 1)).lower(params, state, params, loss)

@@ -18,7 +18,7 @@ only):
 * ``shift_1000``, ``shift_1500``: a permanent 2x from that step on.
 
 Each guard wraps ``optax.sgd`` on 4 parameters, gets the gradient (a vector with the
-stream's norm) and ``loss=``, and runs under ``jax.jit`` in one ``lax.scan`` per stream,
+stream's norm) and ``value=``, and runs under ``jax.jit`` in one ``lax.scan`` per stream,
 vmapped over ``seeds``. The guards: stabljax's ``skip_nonfinite(skip_spikes(...))`` at its
 defaults, and reimplementations of the peers as published: Levanter ``SkipStepConfig``
 (window 128, 6 sigma, inactive below 64 values, every value enters the window, skip by
@@ -161,7 +161,8 @@ def _window_guard(
         var = sq / jnp.maximum(n - 1 if bessel else n, 1)
         return mean, jnp.maximum(jnp.sqrt(var), 0.0 if bessel else 1e-6)
 
-    def update(updates, state, params=None, *, loss, **extra):
+    def update(updates, state, params=None, *, value, **extra):
+        loss = value
         inner_state, losses, norms, count = state
         norm = optax.global_norm(updates)
         lm, ls = stats(losses, count)
@@ -210,7 +211,7 @@ def guards(cfg: Config) -> dict[str, Callable[[], optax.GradientTransformationEx
 
 def _with_loss_ignored(tx: optax.GradientTransformation) -> optax.GradientTransformationExtraArgs:
     return optax.GradientTransformationExtraArgs(
-        tx.init, lambda u, s, p=None, *, loss, **kw: tx.update(u, s, p)
+        tx.init, lambda u, s, p=None, *, value, **kw: tx.update(u, s, p)
     )
 
 
@@ -226,7 +227,7 @@ def guard_runner(tx: optax.GradientTransformationExtraArgs):
             ell, g, bad = xs
             grads = jnp.full([DIM], g / np.sqrt(DIM), jnp.float32)
             grads = jnp.where(bad, grads.at[0].set(jnp.nan), grads)
-            updates, state = tx.update(grads, state, params, loss=ell)
+            updates, state = tx.update(grads, state, params, value=ell)
             applied = jnp.logical_not(jnp.all(updates == 0))
             return (optax.apply_updates(params, updates), state), applied
 

@@ -173,7 +173,7 @@ def run(cfg: Config) -> tuple[list[dict], dict]:
             opt = optax.with_extra_args_support(opt)
 
             def update(params, state, grads, loss, opt=opt):
-                updates, state = opt.update(grads, state, params, loss=loss)
+                updates, state = opt.update(grads, state, params, value=loss)
                 return optax.apply_updates(params, updates), state
 
             f = jax.jit(update, donate_argnums=(0, 1), compiler_options=options)

@@ -19,9 +19,9 @@ The modules, one floor each: :mod:`~stabljax.control.errors` (exceptions, warnin
 log, metrics writers), :mod:`~stabljax.control.store` (checkpoints: the one place they
 are written), :mod:`~stabljax.control.monitor`, :mod:`~stabljax.control.rollback`
 (resume, roll back, the data position), :mod:`~stabljax.control.controller`,
-:mod:`~stabljax.control.triage` and :mod:`~stabljax.control.attribution`. The modules'
-older paths (``stabljax.control.checkpoints``, ``.detect``, ``.lifecycle``...) name the
-module their code moved to.
+:mod:`~stabljax.control.triage` and :mod:`~stabljax.control.attribution`. Further
+names of these modules (``stabljax.control.checkpoints``, ``.detect``, ``.lifecycle``...)
+are plain ``sys.modules`` aliases, with no warning.
 """
 
 import sys as _sys
@@ -64,9 +64,8 @@ from stabljax.control.events import TensorBoardMetricsWriter as TensorBoardMetri
 from stabljax.control.events import read_events as read_events
 from stabljax.control.triage import TriageConfig as TriageConfig
 
-# Old import paths (before control/ was regrouped) stay valid: each names the module its
-# code now lives in, so `from stabljax.control.checkpoints import CheckpointStore` and
-# monkeypatching `stabljax.control.checkpoints.X` both reach the real thing.
+# Each alias is the module itself, so `from stabljax.control.checkpoints import
+# CheckpointStore` and monkeypatching `stabljax.control.checkpoints.X` reach the real thing.
 _OLD_PATHS = {
     "checkpoints": _store,
     "detect": _detectors,

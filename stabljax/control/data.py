@@ -192,7 +192,7 @@ class IndexedBatches(DataIterator):
 
     Args:
       batch_fn: a function of a non-negative int returning a batch (e.g.
-        :func:`stabljax.data.lm_batch_fn`).
+        :func:`stabljax.reference.lm_batch_fn`).
       start: the first index.
       config: JSON-able description of the data (e.g. ``{"batch_size": 8, "seq_len":
         64, "corpus": "sha256:..."}``), recorded in every checkpoint and compared on

@@ -47,7 +47,6 @@ from stabljax.control import policy
 from stabljax.control.data import GrainDatasetIterator, GrainLoaderIterator
 from stabljax.control.errors import CheckpointMismatch as CheckpointMismatch
 from stabljax.control.errors import CheckpointSaveError as CheckpointSaveError
-from stabljax.optim._base import RENAMED_STATES
 
 if TYPE_CHECKING:  # both import this module
     from stabljax.control.monitor import Monitor
@@ -313,40 +312,6 @@ def describe_mismatch(
     return lines
 
 
-def _convert(tree: Any, table: Mapping[type, type]) -> Any:
-    def one(x: Any) -> Any:
-        if type(x) in table:
-            return table[type(x)](*(_convert(c, table) for c in x))
-        return _convert(x, table) if isinstance(x, tuple | list | dict) else x
-
-    return jax.tree.map(one, tree, is_leaf=lambda x: type(x) in table)
-
-
-def legacy_view(tree: Any) -> Any:
-    """``tree`` with every state whose fields were renamed in its old-named form.
-
-    The old form has the same leaves in the same order, so a checkpoint written before a
-    rename (``stabljax.optim._base.rename_fields``) restores into it, and
-    :func:`from_legacy` turns the result back.
-    """
-    return _convert(tree, RENAMED_STATES)
-
-
-def from_legacy(tree: Any) -> Any:
-    """The inverse of :func:`legacy_view`."""
-    return _convert(tree, {old: new for new, old in RENAMED_STATES.items()})
-
-
-def written_before_rename(meta: Mapping[str, Any], abstract: Any) -> bool:
-    """Whether checkpoint ``meta`` lists ``abstract``'s leaves under their old field names."""
-    saved = meta.get("leaves")
-    return (
-        saved is not None
-        and bool(describe_mismatch(saved, leaf_specs(abstract)))
-        and (not describe_mismatch(saved, leaf_specs(legacy_view(abstract))))
-    )
-
-
 def state_bytes(abstract: Any) -> int:
     """Bytes of the arrays in ``abstract`` (the size of one checkpoint, roughly)."""
     total = 0
@@ -365,12 +330,10 @@ def check_compatible(
 ) -> None:
     """Raises :class:`CheckpointMismatch` listing how the state or data config differs."""
     lines = []
-    renamed = written_before_rename(meta, abstract)
-    if meta.get("leaves") is not None and not renamed:
+    if meta.get("leaves") is not None:
         lines = describe_mismatch(meta["leaves"], leaf_specs(abstract))
     if meta.get("nodes") is not None:
-        now = node_specs(legacy_view(abstract) if renamed else abstract)
-        lines += describe_nodes(meta["nodes"], now)
+        lines += describe_nodes(meta["nodes"], node_specs(abstract))
     saved = meta.get("data_config")
     if saved is not None and saved != data_config:
         lines.append(f"data config {saved} in the checkpoint, {data_config} now")
@@ -386,10 +349,6 @@ def check_compatible(
 # ------------------------------------------------------------------------------------- checkpoints
 # Orbax I/O for the rollback controller: save, restore, verify, retention, trash.
 
-
-# So are the host reads and the agreement across hosts, in host.py.
-
-# The meta item's contents and checks live in meta.py; their names stay importable here.
 
 TRASH = "stabljax-trash"
 CORRUPT = "stabljax-corrupt"
@@ -674,15 +633,7 @@ class CheckpointStore:
         items = {"state": ocp.args.StandardRestore(abstract), "meta": ocp.args.JsonRestore()}
         if data_item is not None:
             items["data"] = data_item
-        try:
-            out = self.manager.restore(step, args=ocp.args.Composite(**items))
-        except ValueError:
-            if not written_before_rename(self.read_meta(step), abstract):
-                raise
-            # written before a state field was renamed: read it under the old names
-            items["state"] = ocp.args.StandardRestore(legacy_view(abstract))
-            out = self.manager.restore(step, args=ocp.args.Composite(**items))
-            out = {**out, "state": from_legacy(out["state"])}
+        out = self.manager.restore(step, args=ocp.args.Composite(**items))
         state, meta = out["state"], self._check_meta(step, out["meta"])
         if int(meta["step"]) != step or int(to_host(state.step)) != step:
             raise ValueError(f"checkpoint {step} holds step {meta['step']} / {state.step}")

@@ -9,7 +9,7 @@ Three pieces, usable on their own:
   into ``nnx.Linear(kernel_init=...)`` or any linen module.
 - **Plans**: :func:`init_plan` turns an architecture description (:class:`ArchSpec`) and a
   scheme name into the std of every parameter group and the formula behind it
-  (:class:`InitPlan`, printable as a table). ``stabljax.nn.TransformerLM`` is built from one.
+  (:class:`InitPlan`, printable as a table). ``stabljax.reference.TransformerLM`` is built from one.
 - **A check at init**: :func:`check_init` runs one forward and backward pass and reports
   the residual-stream RMS per layer, gradient RMS per layer, the growth exponent, the
   output-logit std and the initial loss against ``log(vocab)``, with a concrete fix for

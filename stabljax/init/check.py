@@ -116,7 +116,7 @@ def check_init(
     ``apply_fn(params, inputs)`` returns the logits ``[..., T, V]``, or ``(logits, aux)``
     with ``aux["residual_rms"]`` (f32[L+1]: RMS of the residual stream at the input and
     after each block) and optionally ``aux["max_attn_logit"]`` —
-    ``stabljax.nn.TransformerLM(..., return_aux=True)`` reports both. Without
+    ``stabljax.reference.TransformerLM(..., return_aux=True)`` reports both. Without
     ``residual_rms`` the growth checks are skipped. Per-layer gradients group the parameter
     leaves by the first integer in their path (``blocks/3/...``).
 
@@ -139,10 +139,10 @@ def check_init(
     Example:
       >>> import jax
       >>> from flax import nnx
-      >>> from stabljax import nn
+      >>> from stabljax.reference import TransformerConfig, TransformerLM
       >>> from stabljax.init import check_init
       >>> from stabljax.step import nnx_apply
-      >>> model = nn.TransformerLM(nn.TransformerConfig(d_model=32, n_layers=2), rngs=nnx.Rngs(0))
+      >>> model = TransformerLM(TransformerConfig(d_model=32, n_layers=2), rngs=nnx.Rngs(0))
       >>> apply_fn, params = nnx_apply(model, return_aux=True)
       >>> tokens = jax.random.randint(jax.random.key(1), (4, 33), 0, 256)
       >>> batch = {"inputs": tokens[:, :-1], "targets": tokens[:, 1:]}

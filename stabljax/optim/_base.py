@@ -1,5 +1,9 @@
 """Helpers shared by every transform in ``stabljax.optim`` (and by the step's telemetry).
 
+An internal module, as ``optax._src`` is: its names are public so that the other stabljax
+modules (and the benchmarks) may import them, but they are not part of the API and may
+change without notice.
+
 One definition each of the float32 global norm, the all-finite check, the extra-args
 wrapper and the hyperparameter validator, so that the expressions XLA sees are the
 same everywhere: two transforms that take the global norm of the same gradients emit
@@ -8,10 +12,8 @@ identical HLO, and XLA's common-subexpression elimination computes it once.
 
 from __future__ import annotations
 
-import collections
 import functools
 import inspect
-import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -154,36 +156,3 @@ def is_nonneg_int(v: Any) -> bool:
     """A scalar of integer dtype (Python int or numpy/JAX integer) that is >= 0."""
     a = np.asarray(v)
     return a.ndim == 0 and a.dtype.kind in "iu" and int(a) >= 0
-
-
-# {state class: a namedtuple of the same name with the fields' old names}, filled by
-# rename_fields; the control layer reads checkpoints written before a rename with it.
-RENAMED_STATES: dict[type, type] = {}
-
-
-def rename_fields(cls: type, **old_to_new: str) -> type:
-    """Records that state NamedTuple ``cls`` renamed fields ``old -> new`` (same positions).
-
-    Each old name becomes a read-only property that returns the new field and warns with
-    a ``DeprecationWarning``; it is not a field, so it is in neither the pytree nor new
-    checkpoints. Checkpoints written with the old names still restore
-    (``stabljax.control.meta.legacy_view``).
-    """
-    fields = list(cls._fields)
-    for old, new in old_to_new.items():
-        if new not in fields:
-            raise ValueError(f"rename_fields: {cls.__name__} has no field {new!r}")
-        fields[fields.index(new)] = old
-        setattr(cls, old, _renamed_field(cls.__name__, old, new))
-    RENAMED_STATES[cls] = collections.namedtuple(cls.__name__, fields)
-    return cls
-
-
-def _renamed_field(owner: str, old: str, new: str) -> property:
-    def get(self: Any) -> Any:
-        warnings.warn(
-            f"{owner}.{old} was renamed {new}; read `.{new}`.", DeprecationWarning, stacklevel=2
-        )
-        return getattr(self, new)
-
-    return property(get, doc=f"Deprecated name of :attr:`{new}`.")

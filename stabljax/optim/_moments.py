@@ -1,6 +1,6 @@
 """The pieces safe Adam (:mod:`stabljax.optim.adam`) and Adam-atan2
 (:mod:`stabljax.optim.atan2`) share: hyperparameter checks, the moment dtypes and the
-moment update.
+moment update. An internal module (see :mod:`stabljax.optim._base`).
 
 Both keep the second moment in float32 (or wider) whatever the leaf dtype, the first
 moment in float32 for float16 (and integer) leaves, and form the update ratio in
@@ -28,7 +28,7 @@ def _check_decay(owner: str, name: str, value: Any) -> None:
     validate(owner, name, value, lambda x: (x >= 0) & (x < 1), "in [0, 1)")
 
 
-def _check_nonnegative(owner: str, name: str, value: Any) -> None:
+def check_nonnegative(owner: str, name: str, value: Any) -> None:
     validate(owner, name, value, lambda x: x >= 0, ">= 0")
 
 
@@ -36,11 +36,11 @@ def _check_positive(owner: str, name: str, value: Any) -> None:
     validate(owner, name, value, lambda x: x > 0, "> 0")
 
 
-def _check_adam(owner: str, b1: Any, b2: Any, eps: Any, eps_root: Any) -> None:
+def check_adam(owner: str, b1: Any, b2: Any, eps: Any, eps_root: Any) -> None:
     _check_decay(owner, "b1", b1)
     _check_decay(owner, "b2", b2)
-    _check_nonnegative(owner, "eps", eps)
-    _check_nonnegative(owner, "eps_root", eps_root)
+    check_nonnegative(owner, "eps", eps)
+    check_nonnegative(owner, "eps_root", eps_root)
     values = [_concrete_float(x) for x in (b1, b2, eps, eps_root)]
     if any(v is None for v in values):
         return  # traced (inject_hyperparams): checked when first built
@@ -65,14 +65,14 @@ def _concrete_float(value: Any) -> float | None:
         return None
 
 
-def _check_atan2(owner: str, b1: Any, b2: Any, a: Any, b: Any) -> None:
+def check_atan2(owner: str, b1: Any, b2: Any, a: Any, b: Any) -> None:
     _check_decay(owner, "b1", b1)
     _check_decay(owner, "b2", b2)
     _check_positive(owner, "a", a)
     _check_positive(owner, "b", b)
 
 
-def _check_learning_rate(owner: str, value: Any) -> None:
+def check_learning_rate(owner: str, value: Any) -> None:
     # A negative (or NaN) rate would silently ascend; a schedule is the schedule's business.
     validate(
         owner,

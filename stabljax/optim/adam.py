@@ -19,9 +19,9 @@ import numpy as np
 import optax
 
 from stabljax.optim._moments import (
-    _check_adam,
-    _check_learning_rate,
-    _check_nonnegative,
+    check_adam,
+    check_learning_rate,
+    check_nonnegative,
     scale_by_moments,
 )
 from stabljax.optim.atan2 import ScaleByAdamAtan2State, adamw_atan2, scale_by_adam_atan2
@@ -49,35 +49,19 @@ class ScaleBySafeAdamState(NamedTuple):
 def ratio_bound(b1: float, b2: float, t: int | None = None, *, nesterov: bool = False) -> float:
     r"""The largest :math:`|\hat m_t / \sqrt{\hat v_t}|` safe Adam can produce, any gradients.
 
-    By Cauchy–Schwarz, with :math:`r = \beta_1^2 / \beta_2`,
+    With :math:`r = \beta_1^2 / \beta_2`,
 
     .. math::
 
-      |m_t| \le (1-\beta_1) \sum_{j<t} \beta_1^j |g_{t-j}|
-            \le (1-\beta_1) \Big(\sum_{j<t} r^j\Big)^{1/2}
-                 \Big(\sum_{j<t} \beta_2^j g_{t-j}^2\Big)^{1/2}
-            = (1-\beta_1) \sqrt{\tfrac{1 - r^t}{1 - r}} \sqrt{\tfrac{v_t}{1-\beta_2}},
-
-    so, after the bias corrections,
-
-    .. math::
-
-      \Big|\frac{\hat m_t}{\sqrt{\hat v_t}}\Big| \le B_t =
-      \frac{1-\beta_1}{1-\beta_1^t} \sqrt{\frac{1-\beta_2^t}{1-\beta_2}}
+      B_t = \frac{1-\beta_1}{1-\beta_1^t} \sqrt{\frac{1-\beta_2^t}{1-\beta_2}}
       \sqrt{\frac{1-r^t}{1-r}}
       \;\xrightarrow{t\to\infty}\; \frac{1-\beta_1}{\sqrt{(1-\beta_2)(1-r)}}
-      \quad (r < 1).
+      \quad (r < 1),
 
-    The bound is attained (equality in Cauchy–Schwarz) by gradients growing as
-    :math:`|g_k| \propto (\beta_2/\beta_1)^k`. For :math:`r < 1` it is uniform in
-    :math:`t`, so safe Adam at ``eps = 0`` is bounded whatever the gradients; for
-    :math:`r \ge 1` (and :math:`\beta_1 > 0`) it grows without limit, which is why
-    :func:`scale_by_safe_adam` rejects :math:`\beta_1^2 \ge \beta_2` at ``eps =
-    eps_root = 0``. ``eps > 0`` only lowers the ratio. With ``nesterov=True``,
-    :math:`\hat m_t = \beta_1 m_t/(1-\beta_1^{t+1}) + (1-\beta_1) g_t/(1-\beta_1^t)`
-    and :math:`|g_t| \le \sqrt{v_t/(1-\beta_2)}` give the sum of the two terms' bounds
-    at step :math:`t`, and :math:`\beta_1 B_\infty + 1/\sqrt{1-\beta_2}` over all steps
-    (a valid bound, not attained). Every :math:`B_t \le B_\infty` (AM–GM).
+    attained by gradients growing as :math:`|g_k| \propto (\beta_2/\beta_1)^k`; for
+    :math:`r \ge 1` (and :math:`\beta_1 > 0`) there is no bound. With ``nesterov=True``,
+    the sum of the bounds of NAdam's two terms. The proof (Cauchy–Schwarz, then AM–GM for
+    :math:`B_t \le B_\infty`) is in docs/safe_adam.md.
 
     Args:
       b1: :math:`\beta_1`, in [0, 1).
@@ -99,8 +83,7 @@ def ratio_bound(b1: float, b2: float, t: int | None = None, *, nesterov: bool = 
     if t is None:
         if r >= 1:
             return float("inf")
-        # B_t <= B_inf for every t: B_t^2 / B_inf^2 = (1 - x)(1 - y) / (1 - sqrt(xy))^2 with
-        # x = b2^t, y = r^t, and (1 - x)(1 - y) <= (1 - sqrt(xy))^2 is AM-GM.
+        # B_t <= B_inf for every t (AM-GM, docs/safe_adam.md): the limit bounds every step.
         limit = (1.0 - b1) / np.sqrt((1.0 - b2) * (1.0 - r))
         if nesterov:  # each term's sup: b1 B_inf (m_t <= (1 - b1^t) B_inf), 1/sqrt(1 - b2)
             return float(b1 * limit + 1.0 / np.sqrt(1.0 - b2))
@@ -139,39 +122,14 @@ def scale_by_safe_adam(
         u_t = \begin{cases} \hat m_t / d_t & d_t \neq 0 \\ 0 & d_t = 0 \end{cases}
       \end{align*}
 
-    and with ``nesterov=True``, :math:`\hat m_t = \beta_1 m_t / (1 - \beta_1^{t+1}) +
-    (1 - \beta_1) g_t / (1 - \beta_1^t)` (Dozat 2016), exactly as
-    :func:`optax.scale_by_adam`. The default ``eps`` is 0, as Molybog et al. (2023)
-    advise: at scale, gradients of shallow layers shrink to the size of ``eps`` and a
-    nonzero ``eps`` then distorts the update. The case :math:`d_t = 0` (a coordinate whose
-    gradients have all been exactly 0, such as an unused embedding row) is selected to 0
-    instead of :math:`0/0 = \mathrm{NaN}`. A NaN or Inf gradient, or a finite one whose
-    square overflows float32 (:math:`|g| \gtrsim 1.8 \cdot 10^{19}`), gives a NaN update in
-    its own coordinates only (optax gives a silent 0 for the overflow, and the coordinate
-    never moves again); wrap the optimizer in a guard such as ``skip_nonfinite`` to skip
-    such steps with the state left as it was.
-
-    Precision: :math:`v_t` is stored in float32 for float16 and bfloat16 leaves (float16
-    :math:`(1-\beta_2) g^2` underflows for :math:`|g| \lesssim 10^{-3}`, and the coordinate
-    would silently stop moving), and the ratio is formed in float32 and then cast back to
-    the gradient dtype, so an ``eps`` such as 1e-15 keeps its value for every leaf dtype.
-    :math:`m_t` is stored in ``mu_dtype``; by default in the param dtype, except float16
-    (and integer) leaves, where it is float32 too: a float16 :math:`(1-\beta_1) g` flushes
-    to 0 for :math:`|g| \lesssim 6 \cdot 10^{-7}`, and a constant gradient of 1e-7 would
-    give an update of 0.11 instead of 1. With ``eps > 0`` and
-    float32 leaves the updates equal :func:`optax.scale_by_adam`'s. A gradient so small
-    that :math:`(1-\beta_2) g^2` flushes to 0 in float32 (:math:`|g| \lesssim 3 \cdot
-    10^{-18}` where subnormals are flushed, as on XLA:CPU) gives a zero update rather than
-    optax's Inf.
-
-    Boundedness at ``eps = 0``: for :math:`\beta_1^2 < \beta_2` every coordinate of the
-    update satisfies :math:`|u_t| \le (1-\beta_1) / \sqrt{(1-\beta_2)(1-\beta_1^2/\beta_2)}`
-    whatever the gradients (proof and the per-step bound in :func:`ratio_bound`; 7.27 at
-    the defaults, 1.17 for :math:`\beta = (0.9, 0.95)`). For :math:`\beta_1^2 \ge
-    \beta_2` there is no bound: after a gradient stops, :math:`\hat m/\sqrt{\hat v}`
-    grows like :math:`(\beta_1/\sqrt{\beta_2})^t` (past 1e9 some 1,400 steps after it stops, for
-    :math:`\beta = (0.99, 0.95)`), so that combination is rejected unless ``eps`` or
-    ``eps_root`` is positive (then the denominator is at least that).
+    with ``nesterov=True`` using NAdam's :math:`\hat m_t`, as :func:`optax.scale_by_adam`
+    does. ``eps`` defaults to 0 (Molybog et al., 2023); a coordinate whose gradients have
+    all been exactly 0 gets an update of 0, not 0/0. A non-finite gradient gives a NaN
+    update in its own coordinates: guard the optimizer (``skip_nonfinite``). :math:`v_t`
+    and the ratio are float32 for low-precision leaves, so neither underflows. At
+    ``eps = 0`` every coordinate of the update is bounded by :func:`ratio_bound` (7.27 at
+    the defaults) when :math:`\beta_1^2 < \beta_2`, and that combination is required
+    unless ``eps`` or ``eps_root`` is positive. The derivations: docs/safe_adam.md.
 
     Args:
       b1: Decay rate of the first moment, in [0, 1).
@@ -213,7 +171,7 @@ def scale_by_safe_adam(
       Dozat, `Incorporating Nesterov Momentum into Adam
       <https://openreview.net/pdf?id=OM0jvwB8jIp57ZJjtNEZ>`_, 2016
     """
-    _check_adam("scale_by_safe_adam", b1, b2, eps, eps_root)
+    check_adam("scale_by_safe_adam", b1, b2, eps, eps_root)
 
     def ratio(g, m, v):
         d = jnp.sqrt(v + eps_root) + eps
@@ -281,8 +239,8 @@ def safe_adam(
       Molybog et al., `A Theory on Adam Instability in Large-Scale Machine Learning
       <https://arxiv.org/abs/2304.09871>`_, 2023
     """
-    _check_learning_rate("safe_adam", learning_rate)
-    _check_adam("safe_adam", b1, b2, eps, eps_root)
+    check_learning_rate("safe_adam", learning_rate)
+    check_adam("safe_adam", b1, b2, eps, eps_root)
     return optax.chain(
         scale_by_safe_adam(
             b1=b1, b2=b2, eps=eps, eps_root=eps_root, mu_dtype=mu_dtype, nesterov=nesterov
@@ -348,9 +306,9 @@ def safe_adamw(
       Molybog et al., `A Theory on Adam Instability in Large-Scale Machine Learning
       <https://arxiv.org/abs/2304.09871>`_, 2023
     """
-    _check_learning_rate("safe_adamw", learning_rate)
-    _check_adam("safe_adamw", b1, b2, eps, eps_root)
-    _check_nonnegative("safe_adamw", "weight_decay", weight_decay)
+    check_learning_rate("safe_adamw", learning_rate)
+    check_adam("safe_adamw", b1, b2, eps, eps_root)
+    check_nonnegative("safe_adamw", "weight_decay", weight_decay)
     return optax.chain(
         scale_by_safe_adam(
             b1=b1, b2=b2, eps=eps, eps_root=eps_root, mu_dtype=mu_dtype, nesterov=nesterov

@@ -15,9 +15,9 @@ import jax.numpy as jnp
 import optax
 
 from stabljax.optim._moments import (
-    _check_atan2,
-    _check_learning_rate,
-    _check_nonnegative,
+    check_atan2,
+    check_learning_rate,
+    check_nonnegative,
     scale_by_moments,
 )
 
@@ -94,7 +94,7 @@ def scale_by_adam_atan2(
       Kingma et al., `Adam: A Method for Stochastic Optimization
       <https://arxiv.org/abs/1412.6980>`_, 2014
     """
-    _check_atan2("scale_by_adam_atan2", b1, b2, a, b)
+    check_atan2("scale_by_adam_atan2", b1, b2, a, b)
 
     def ratio(g, m, v):
         if jnp.iscomplexobj(m):
@@ -168,9 +168,9 @@ def adamw_atan2(
       Loshchilov et al., `Decoupled Weight Decay Regularization
       <https://arxiv.org/abs/1711.05101>`_, 2019
     """
-    _check_learning_rate("adamw_atan2", learning_rate)
-    _check_atan2("adamw_atan2", b1, b2, a, b)
-    _check_nonnegative("adamw_atan2", "weight_decay", weight_decay)
+    check_learning_rate("adamw_atan2", learning_rate)
+    check_atan2("adamw_atan2", b1, b2, a, b)
+    check_nonnegative("adamw_atan2", "weight_decay", weight_decay)
     return optax.chain(
         scale_by_adam_atan2(b1=b1, b2=b2, a=a, b=b, mu_dtype=mu_dtype),
         optax.add_decayed_weights(weight_decay, mask),

@@ -23,7 +23,6 @@ from stabljax.optim._base import (
     all_finite,
     global_norm_f32,
     is_nonneg_int,
-    rename_fields,
     validate,
 )
 
@@ -389,9 +388,6 @@ class ClipSpikesPerCoordinateState(NamedTuple):
     spam_clipped_coords: jax.Array  # shape=(), int32: coordinates clipped this step
 
 
-rename_fields(ClipSpikesPerCoordinateState, spam_clipped="spam_clipped_coords")
-
-
 def clip_spikes_per_coordinate(
     theta: float = 5000.0, b2: float = 0.999
 ) -> optax.GradientTransformation:
@@ -490,9 +486,6 @@ class ClipByAdagcState(NamedTuple):
 
     adagc_gamma: Any  # pytree like params of shape=() float32: EMA of each clipped tensor norm
     adagc_clipped_tensors: jax.Array  # shape=(), int32: tensors clipped this step
-
-
-rename_fields(ClipByAdagcState, adagc_clipped="adagc_clipped_tensors")
 
 
 def clip_by_adagc(lambda_rel: float = 1.05, beta: float = 0.98) -> optax.GradientTransformation:

@@ -20,7 +20,6 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import optax
 
 from stabljax.optim._base import (
@@ -28,12 +27,12 @@ from stabljax.optim._base import (
     all_finite,
     global_norm_f32,
     is_nonneg_int,
-    rename_fields,
     validate,
     with_extra_args,
 )
 
-_WATCHABLE = ("loss", "grad_norm")
+# The values a guard can test (skip_step's `nonfinite`, SpikeRule's `watch`).
+WATCHABLE = ("loss", "grad_norm")
 # The level is the median of this many last accepted values: short, so it follows a trend.
 _LEVEL_WINDOW = 16
 # The tail scale averages the largest 1/_TAIL_FRACTION of the residuals (at least one).
@@ -42,18 +41,13 @@ _TAIL_FRACTION = 32
 # floor any value one ulp above it would be an infinite z. At z_threshold 7 a rise of less
 # than 7 % is never a spike, and a warmup resting on a few residuals is not hair-triggered.
 _MIN_SCALE = 1e-2
-_TRACER_ERRORS = (
-    jax.errors.ConcretizationTypeError,
-    jax.errors.TracerArrayConversionError,
-    jax.errors.TracerBoolConversionError,
-)
 
 
 @dataclasses.dataclass(frozen=True)
 class SpikeRule:
     r"""When :func:`skip_step` calls a value a spike: a robust test in log space on a window.
 
-    Each watched value (``"loss"``, the ``value``/``loss`` extra argument, and
+    Each watched value (``"loss"``, the ``value`` extra argument, and
     ``"grad_norm"``, the float32 global norm of the incoming gradients) is tested as
     :math:`y = \log x`, so the rule is scale-free: a 2× spike is the same excess at a loss of
     8 and at 0.08. With the last accepted values of :math:`y` in two ring buffers on device:
@@ -151,10 +145,10 @@ class SpikeRule:
         if isinstance(watch, str) or not isinstance(watch, Sequence):
             raise ValueError(f"skip_spikes: `watch` must be a tuple of names; got {watch!r}.")
         watch = tuple(watch)
-        if not watch or any(w not in _WATCHABLE for w in watch) or len(set(watch)) != len(watch):
+        if not watch or any(w not in WATCHABLE for w in watch) or len(set(watch)) != len(watch):
             raise ValueError(
                 f"skip_spikes: `watch` must be a non-empty tuple of distinct names from "
-                f"{_WATCHABLE}; got {watch!r}."
+                f"{WATCHABLE}; got {watch!r}."
             )
         object.__setattr__(self, "watch", watch)
 
@@ -187,44 +181,12 @@ class SkipSpikesState(NamedTuple):
     spike_zscore: jax.Array  # shape=(len(watch),), float32: z of this step's values
 
 
-rename_fields(SkipNonfiniteState, inner_state="nonfinite_inner_state")
-rename_fields(SkipSpikesState, spike_count="spike_accepted_steps")
-
-
-def _objective(owner: str, value: Any, loss: Any) -> Any:
-    """The objective given as optax's ``value=`` or as ``loss=`` (its alias).
-
-    Both given: they must be equal. Concrete values that differ raise; traced ones
-    cannot be compared at trace time (a wrapper such as ``MultiSteps`` hands the two
-    names in as distinct tracers of one value), so a mismatch makes the objective NaN
-    in-graph and the step is skipped, never taken with the wrong value.
-    """
-    if value is None:
-        return loss
-    if loss is None or loss is value:
-        return value
-    try:
-        # equal_nan: a NaN objective passed under both names is one objective (and a skip).
-        same = bool(np.array_equal(np.asarray(value), np.asarray(loss), equal_nan=True))
-    except _TRACER_ERRORS:
-        v, ell = jnp.asarray(value), jnp.asarray(loss)
-        return jnp.where(v == ell, v, jnp.full_like(v, jnp.nan))
-    except TypeError:
-        same = False
-    if not same:
-        raise ValueError(
-            f"{owner}: got both value= and loss= with different values; pass the objective "
-            "once, as value= (optax's name) or loss= (its alias)."
-        )
-    return value
-
-
 def _scalar_f32(owner: str, objective: Any) -> jax.Array:
     x = jnp.asarray(objective)
     if x.size != 1:
         raise ValueError(
-            f"{owner}: `loss` must be a scalar; got shape {x.shape}. Pass the mean loss of "
-            "the step (value= or loss=)."
+            f"{owner}: `value` must be a scalar; got shape {x.shape}. Pass the mean loss of "
+            "the step as value=."
         )
     return x.reshape(()).astype(jnp.float32)
 
@@ -387,7 +349,7 @@ def skip_step(
     r"""Skips the whole step of ``inner`` on a non-finite value or a spike: one decision.
 
     With :math:`g` the incoming gradients, :math:`\|g\|` their float32 global norm,
-    :math:`\ell` the objective (``value=``, or its alias ``loss=``) and
+    :math:`\ell` the objective (optax's ``value=``) and
     :math:`(u, s') = \mathrm{inner}(g, s)`, the step is skipped when
 
     * :math:`\|g\|` (``"grad_norm"`` in ``nonfinite``) or :math:`\ell` (``"loss"``) is
@@ -422,9 +384,9 @@ def skip_step(
     over which the gradient leaves are *sharded* (FSDP): gradients already averaged and
     replicated over an axis would be counted once per device in the norm.
 
-    ``value``/``loss`` and ``**extra_args`` are forwarded to ``inner``, the objective
-    under both names, so an optax transform that reads ``value=``
-    (:func:`optax.contrib.reduce_on_plateau`) and a nested guard both get it.
+    ``value`` and ``**extra_args`` are forwarded to ``inner``, so an optax transform that
+    reads ``value=`` (:func:`optax.contrib.reduce_on_plateau`) and a nested guard both get
+    it. A ``loss=`` keyword is a ``TypeError``: the objective has one name, optax's.
 
     Args:
       inner: the transformation to guard, e.g. a whole optimizer.
@@ -456,13 +418,13 @@ def skip_step(
     """
     owner = "skip_spikes" if spikes is not None else "skip_nonfinite"
     if nonfinite is True or nonfinite is False:
-        nonfinite = _WATCHABLE if nonfinite else ()
+        nonfinite = WATCHABLE if nonfinite else ()
     elif isinstance(nonfinite, str) or not isinstance(nonfinite, Sequence):
         raise ValueError(f"skip_step: `nonfinite` must be a bool or a tuple; got {nonfinite!r}.")
     nonfinite = tuple(nonfinite)
-    if any(n not in _WATCHABLE for n in nonfinite):
+    if any(n not in WATCHABLE for n in nonfinite):
         raise ValueError(
-            f"skip_step: `nonfinite` names must be from {_WATCHABLE}; got {nonfinite!r}."
+            f"skip_step: `nonfinite` names must be from {WATCHABLE}; got {nonfinite!r}."
         )
     if spikes is not None and not isinstance(spikes, SpikeRule):
         raise TypeError(f"skip_step: `spikes` must be a SpikeRule or None; got {spikes!r}.")
@@ -485,16 +447,15 @@ def skip_step(
         params: optax.Params | None = None,
         *,
         value: jax.typing.ArrayLike | None = None,
-        loss: jax.typing.ArrayLike | None = None,
         **extra_args: Any,
     ) -> tuple[optax.Updates, SkipNonfiniteState | SkipSpikesState]:
-        objective = _objective(owner, value, loss)
-        fwd = (
-            extra_args
-            if objective is None
-            else {**extra_args, "value": objective, "loss": objective}
-        )
-        ell = None if objective is None else _scalar_f32(owner, objective)
+        if "loss" in extra_args:
+            raise TypeError(
+                f"{owner}: update() got an unexpected keyword argument 'loss'; pass the "
+                "objective as value= (optax's name for it)."
+            )
+        fwd = extra_args if value is None else {**extra_args, "value": value}
+        ell = None if value is None else _scalar_f32(owner, value)
         if ell is not None and axis_name is not None:
             ell = jax.lax.pmean(ell, axis_name)
         norm = global_norm_f32(updates, axis_name)
@@ -517,8 +478,8 @@ def skip_step(
                 elif ell is None:
                     raise ValueError(
                         "skip_spikes watches 'loss' but update() got no objective: pass the "
-                        "step's loss as update(..., value=loss) (or loss=loss), or construct "
-                        "the guard with watch=('grad_norm',)."
+                        "step's loss as update(..., value=loss), or construct the guard with "
+                        "watch=('grad_norm',)."
                     )
                 else:
                     xs.append(ell)

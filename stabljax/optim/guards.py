@@ -21,7 +21,7 @@ import optax
 
 from stabljax.optim._base import AxisName
 from stabljax.optim.guard_core import (
-    _WATCHABLE,
+    WATCHABLE,
     SkipNonfiniteState,
     SkipSpikesState,
     SpikeRule,
@@ -50,8 +50,8 @@ def skip_nonfinite(
     r"""Skips the whole step when a gradient or the loss is NaN or Inf.
 
     :func:`skip_step` with ``nonfinite=True`` and no spike rule: with :math:`g` the
-    incoming gradients and :math:`\ell` the optional objective (``value=``, or its alias
-    ``loss=``), the step is skipped when the float32 global norm of :math:`g` or
+    incoming gradients and :math:`\ell` the optional objective (optax's ``value=``), the
+    step is skipped when the float32 global norm of :math:`g` or
     :math:`\ell` is not finite, one global decision (see :func:`skip_step` for
     ``axis_name`` under ``shard_map``). Finite gradients whose norm overflows float32
     (above about 1.8e19) are skipped too. With ``check_update=True`` a non-finite inner
@@ -73,7 +73,7 @@ def skip_nonfinite(
 
     Returns:
       A :class:`optax.GradientTransformationExtraArgs` whose ``update`` is
-      ``update(updates, state, params=None, *, value=None, loss=None, **extra_args)``
+      ``update(updates, state, params=None, *, value=None, **extra_args)``
       and whose state is a :class:`SkipNonfiniteState`.
 
     Example:
@@ -99,7 +99,7 @@ def skip_nonfinite(
       Chowdhery et al., `PaLM: Scaling Language Modeling with Pathways
       <https://arxiv.org/abs/2204.02311>`_, 2022
     """
-    return skip_step(inner, nonfinite=_WATCHABLE, check_update=check_update, axis_name=axis_name)
+    return skip_step(inner, nonfinite=WATCHABLE, check_update=check_update, axis_name=axis_name)
 
 
 def skip_spikes(
@@ -120,7 +120,7 @@ def skip_spikes(
     rebaseline_after, rebaseline_max_ratio)``; see :class:`SpikeRule` for the statistics
     (log space, a median level over the last 16 accepted values, a tail scale over the last
     ``window`` residuals, all on device). The watched values are ``"loss"`` (the
-    ``value=``/``loss=`` extra argument) and ``"grad_norm"`` (the global norm of the
+    ``value=`` extra argument) and ``"grad_norm"`` (the global norm of the
     incoming gradients, in float32). The step is skipped when
 
     * the gradient norm, or a watched objective, is NaN or Inf (always), or
@@ -155,13 +155,14 @@ def skip_spikes(
 
     Returns:
       A :class:`optax.GradientTransformationExtraArgs` whose ``update`` is
-      ``update(updates, state, params=None, *, value=None, loss=None, **extra_args)``
+      ``update(updates, state, params=None, *, value=None, **extra_args)``
       (the objective and ``extra_args`` are forwarded to ``inner``) and whose state is
       a :class:`SkipSpikesState`.
 
     Raises:
       ValueError: at construction for an invalid hyperparameter; at trace time when
         ``"loss"`` is watched and no objective is given, or it is not a scalar.
+      TypeError: at trace time for a ``loss=`` keyword (the objective is ``value=``).
 
     Example:
       >>> import jax
@@ -173,7 +174,7 @@ def skip_spikes(
       >>> state = opt.init(params)
       >>> step = jax.jit(opt.update)
       >>> for loss in [1.0, 1.1, 0.9, 1.0, 50.0, 1.05]:
-      ...     updates, state = step(jnp.ones(2), state, params, loss=loss)
+      ...     updates, state = step(jnp.ones(2), state, params, value=loss)
       ...     print(f"loss={loss:5.2f} skipped={bool(state.spike_skipped)} updates={updates}")
       loss= 1.00 skipped=False updates=[-0.1 -0.1]
       loss= 1.10 skipped=False updates=[-0.1 -0.1]
@@ -300,7 +301,7 @@ def spike_rebaselines(opt_state: optax.OptState) -> jax.Array:
       >>> opt = skip_spikes(optax.sgd(0.1), warmup_steps=3, watch=("loss",), rebaseline_after=2)
       >>> state = opt.init(jnp.zeros(2))
       >>> for loss in [1.0, 1.0, 1.0, 2.0, 2.0, 2.0]:
-      ...     _, state = opt.update(jnp.ones(2), state, loss=loss)
+      ...     _, state = opt.update(jnp.ones(2), state, value=loss)
       >>> print(int(spike_rebaselines(state)), bool(state.spike_skipped))
       1 False
     """

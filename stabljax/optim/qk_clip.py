@@ -319,7 +319,7 @@ def qk_clip(
     Args:
       layers: ``{layer: QKLayer(q=QKHeads(...), k=QKHeads(...))}``; the keys index
         ``max_logits`` (ints for a ``[n_layers, n_heads]`` array, or any keys of a dict).
-        :meth:`stabljax.TransformerLM.qk_layers` gives it for the reference model.
+        :meth:`stabljax.reference.TransformerLM.qk_layers` gives it for the reference model.
       tau: the threshold :math:`\tau` > 0 (Kimi K2: 100).
       alpha: the share :math:`\alpha \in [0, 1]` of the rescaling that goes to
         :math:`W_q` (Kimi K2: 0.5).

@@ -8,8 +8,12 @@ from outside.
   (``TransformerConfig``, ``TransformerLM``), built from a :mod:`stabljax.init` plan.
 - :mod:`stabljax.reference.corpus`: byte-level language modelling on Python's own
   standard library (``default_corpus``, ``lm_batch_fn``).
-
-``stabljax.nn`` stays another name for :mod:`stabljax.reference.nn`; ``stabljax.data`` is a
-deprecated name for :mod:`stabljax.reference.corpus` (it was easy to mistake for
-``stabljax.control.data``, the data iterators).
 """
+
+from stabljax.reference.corpus import VOCAB_SIZE as VOCAB_SIZE
+from stabljax.reference.corpus import default_corpus as default_corpus
+from stabljax.reference.corpus import lm_batch_fn as lm_batch_fn
+from stabljax.reference.nn import TransformerConfig as TransformerConfig
+from stabljax.reference.nn import TransformerLM as TransformerLM
+
+__all__ = ("VOCAB_SIZE", "TransformerConfig", "TransformerLM", "default_corpus", "lm_batch_fn")

@@ -37,7 +37,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from stabljax.init import ArchSpec, InitPlan, init_plan
+from stabljax.init.plan import ArchSpec, InitPlan, init_plan
 from stabljax.metrics import MAX_ATTN_LOGIT, MAX_ATTN_LOGITS, RESIDUAL_RMS
 from stabljax.optim.qk_clip import QKHeads, QKLayer
 

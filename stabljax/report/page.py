@@ -5,7 +5,7 @@ The inputs, all plain JSON (no Orbax, no JAX needed to read them):
 * ``events.jsonl`` (docs/events.md): spikes, rollbacks, skips, triage verdicts, saves;
 * the ledger: the ``meta`` item of the newest checkpoint (``<step>/meta/metadata``) or
   the rollback record ``stabljax-rollback.json``, whichever has seen more rollbacks;
-* ``metrics.jsonl`` if the run wrote one (:class:`stabljax.JsonlMetricsWriter`): one row
+* ``metrics.jsonl`` if the run wrote one (:class:`stabljax.control.JsonlMetricsWriter`): one row
   per step, rows of an abandoned branch followed by the replayed steps after a rollback.
 """
 
