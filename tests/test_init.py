@@ -9,7 +9,8 @@ import optax
 import pytest
 from flax import nnx
 
-from stabljax import init, nn
+from stabljax import init
+from stabljax.reference import nn
 from stabljax.init import ArchSpec, check_init, init_plan
 from stabljax.step import nnx_apply
 

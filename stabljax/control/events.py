@@ -143,7 +143,7 @@ class Event:
       >>> from stabljax.control.events import Event
       >>> e = Event("save", 100, time=0.0, details={"data_index": 100})
       >>> print(e.to_json())
-      {"schema": "1.0", "kind": "save", "step": 100, "time": 0.0, "details": {"data_index": 100}}
+      {"schema": "1.1", "kind": "save", "step": 100, "time": 0.0, "details": {"data_index": 100}}
       >>> Event.from_json(e.to_json()) == e
       True
     """
