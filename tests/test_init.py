@@ -10,8 +10,8 @@ import pytest
 from flax import nnx
 
 from stabljax import init
-from stabljax.reference import nn
 from stabljax.init import ArchSpec, check_init, init_plan
+from stabljax.reference import nn
 from stabljax.step import nnx_apply
 
 SPEC = ArchSpec(d_model=64, n_layers=8, n_heads=4, d_ff=256, vocab_size=256)
