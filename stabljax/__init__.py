@@ -63,6 +63,7 @@ from stabljax.optim.guards import any_skipped as any_skipped
 from stabljax.optim.guards import skip_nonfinite as skip_nonfinite
 from stabljax.optim.guards import skip_spikes as skip_spikes
 from stabljax.optim.guards import skip_streak as skip_streak
+from stabljax.optim.guards import spike_rebaselines as spike_rebaselines
 from stabljax.optim.qk_clip import QKClipState as QKClipState
 from stabljax.optim.qk_clip import QKHeads as QKHeads
 from stabljax.optim.qk_clip import QKLayer as QKLayer
@@ -124,5 +125,6 @@ __all__ = (
     "skip_spikes",
     "skip_step",
     "skip_streak",
+    "spike_rebaselines",
     "z_loss",
 )
