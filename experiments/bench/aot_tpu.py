@@ -144,7 +144,7 @@ def where_guard(inner: optax.GradientTransformation) -> optax.GradientTransforma
     inner = optax.with_extra_args_support(inner)
 
     def update(g, s, p=None, **extra):
-        ok = jnp.isfinite(optax.global_norm(g))
+        ok = jnp.isfinite(optax.tree.norm(g))
         u, new = inner.update(g, s, p, **extra)
         u = jax.tree.map(lambda x: jnp.where(ok, x, jnp.zeros_like(x)), u)
         return u, jax.tree.map(lambda o, n: jnp.where(ok, n, o), s, new)

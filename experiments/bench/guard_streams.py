@@ -164,7 +164,7 @@ def _window_guard(
     def update(updates, state, params=None, *, value, **extra):
         loss = value
         inner_state, losses, norms, count = state
-        norm = optax.global_norm(updates)
+        norm = optax.tree.norm(updates)
         lm, ls = stats(losses, count)
         gm, gs = stats(norms, count)
         ok = (loss - lm <= sigma * ls) & (norm - gm <= sigma * gs)
