@@ -204,3 +204,97 @@ def bursts_vs_lr(rows: Sequence[dict[str, Any]], *, group: str, path: pathlib.Pa
         xlabel="peak learning rate",
         ylabel="bursts per run",
     )
+
+
+def mean_band(ax, x, ys, *, color, name: str) -> None:
+    """The seed mean of ``ys`` (``[seeds, len(x)]``) as a line with markers and its 95 %
+    t-interval as a shaded band (columns with a non-finite seed draw no band)."""
+    from experiments.stats import t_interval
+
+    ys = np.asarray(ys, dtype=float)
+    with np.errstate(all="ignore"):
+        mean = np.where(np.all(np.isfinite(ys), axis=0), ys.mean(axis=0), np.nan)
+    ci = np.array([t_interval(ys[:, i]) for i in range(ys.shape[1])])
+    ax.plot(
+        x, mean, "o-", ms=3.5, lw=1.6, color=color, label=f"{name} (mean, 95% t-CI; n={len(ys)})"
+    )
+    ax.fill_between(x, ci[:, 0], ci[:, 1], color=color, alpha=0.2, lw=0)
+
+
+def metric_vs_lr(
+    rows: Sequence[dict[str, Any]],
+    *,
+    y: str,
+    group: str,
+    path: pathlib.Path,
+    title: str,
+    ylabel: str,
+    panel: str | None = None,
+    fallback: str | None = None,
+    logy: bool = False,
+) -> None:
+    """``y`` against the peak learning rate (log axis), one colour per ``group``: the seed
+    mean with its 95 % t-interval band. ``fallback`` names the field that replaces a
+    non-finite ``y`` (a diverged run's init loss); with ``panel``, one subplot per value."""
+    plt = pyplot()
+    panels = list(dict.fromkeys(r[panel] for r in rows)) if panel else [None]
+    fig, axes = plt.subplots(1, len(panels), figsize=(5.2 * len(panels), 4.2), squeeze=False)
+    for ax, pv in zip(axes[0], panels, strict=True):
+        sub = [r for r in rows if panel is None or r[panel] == pv]
+        allv = []
+        for j, g in enumerate(dict.fromkeys(r[group] for r in sub)):
+            rr = [r for r in sub if r[group] == g]
+            xs = sorted({r["lr"] for r in rr})
+            seeds = sorted({r["seed"] for r in rr})
+
+            def val(r):
+                v = float(r[y])
+                return v if np.isfinite(v) or fallback is None else float(r[fallback])
+
+            grid = np.array(
+                [
+                    [next(val(r) for r in rr if r["lr"] == v and r["seed"] == sd) for v in xs]
+                    for sd in seeds
+                ]
+            )
+            mean_band(ax, xs, grid, color=f"C{j}", name=str(g))
+            allv.append(grid.ravel())
+        ax.set_xscale("log")
+        set_ylim(ax, np.concatenate(allv), log=logy)
+        ax.set_xlabel("peak learning rate")
+        ax.set_ylabel(ylabel)
+        label(ax, title if pv is None else f"{title}\n{panel} {pv}")
+        ax.legend(fontsize=7, loc="lower right" if not logy else "upper left")
+        ax.grid(alpha=0.3)
+    save_figure(fig, path)
+
+
+def effects(remedies: dict[str, dict[str, Any]], *, path: pathlib.Path, title: str) -> None:
+    """A forest plot of a family: each comparison's mean effect (remedy − base) with its
+    95 % interval, one labelled row each, 0 marked; filled where the claim is met."""
+    plt = pyplot()
+    names = list(remedies)
+    fig, ax = plt.subplots(figsize=(7.5, 0.38 * len(names) + 1.4))
+    for i, k in enumerate(names):
+        r = remedies[k]
+        lo, hi = (float(v) for v in r["ci95"])
+        m = float(r["effect_mean"])
+        color = "C2" if r.get("claim_met") else "0.35"
+        if np.isfinite(lo) and np.isfinite(hi):
+            ax.plot([lo, hi], [i, i], color=color, lw=2)
+        ax.plot(m, i, "o", color=color, mfc=color if r.get("claim_met") else "white", ms=6)
+    ax.axvline(0, color="0.5", ls=":", lw=1)
+    ax.set_yticks(range(len(names)))
+    ax.set_yticklabels(
+        [
+            f"{k}  (p_Holm {r['p_holm']:.3g})" if r.get("p_holm") is not None else k
+            for k, r in remedies.items()
+        ],
+        fontsize=7,
+    )
+    ax.invert_yaxis()
+    metric = next(iter(remedies.values()))["metric"] if remedies else ""
+    ax.set_xlabel(f"{metric}: remedy − base, mean and 95% interval (filled: claim met)", fontsize=8)
+    ax.set_title(title, fontsize=9)
+    ax.grid(alpha=0.3, axis="x")
+    save_figure(fig, path)

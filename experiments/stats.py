@@ -1,14 +1,10 @@
 """The statistics that carry the experiments' claims.
 
-- A remedy's effect is the paired per-seed difference ``remedy − base`` of a metric that
-  is lower-is-better (final loss, bursts, LR sensitivity), with a 95 % percentile
-  bootstrap interval of its mean (10,000 resamples of the seeds, fixed seed).
-- The claim rule: a remedy is claimed only where that interval lies below 0 **and** the
-  quantity the remedy acts on moved (its own paired interval excludes 0 in the direction
-  the remedy pushes it): attention logits, log Z, clip rate, loss-scale events.
-- A run *fails* when its final loss is above its loss at init or is non-finite; a
-  *burst* is a step whose training loss exceeds 1.5× the running minimum of the loss so
-  far (threshold-free in the sense that it does not depend on the run's loss level).
+Issue 29's rule (:func:`family`): per seed, the paired difference ``remedy − base`` of a
+lower-is-better primary metric declared before the run; its paired t-interval (95 %), its
+exact sign-flip p, Holm over the experiment's family; a claim needs the interval below 0
+and the Holm p below 0.05. A run *fails* when its final loss is non-finite or above its
+loss at init; a *burst* is a step whose loss exceeds 1.5× the running minimum so far.
 """
 
 from __future__ import annotations
@@ -132,15 +128,24 @@ def summary(
     remedies: dict[str, dict[str, Any]],
     sizes: Sequence[Any] | None = None,
     note: str = "",
+    primary_metric: str | None = None,
+    lr_grid: dict[str, Any] | None = None,
+    failure_made_by_model: bool | None = None,
+    not_shown: str = "",
 ) -> dict[str, Any]:
     """The ``summary`` block of a results.json (issue 17's schema, plus a one-line note).
 
     ``cfg`` is the experiment's config: the seed count is ``len(cfg.seeds)`` and the sizes,
     unless given, its one model size, ``d<d_model>x<n_layers>``.
+
+    Issue 29's fields, given together: ``primary_metric`` (declared before the run; the
+    remedies then come from :func:`family`), ``lr_grid`` (:func:`lr_grid`, or a dict of
+    them), ``failure_made_by_model`` (False for an injected failure, a stress test) and
+    ``not_shown`` (one line: what was tried and why no claim is met at this size).
     """
     if sizes is None:
         sizes = [f"d{cfg.d_model}x{cfg.n_layers}"]
-    return {
+    out = {
         "instability_reproduced": bool(instability_reproduced),
         "failure_metric": failure_metric,
         "remedies": remedies,
@@ -148,6 +153,113 @@ def summary(
         "sizes": list(sizes),
         "note": note,
     }
+    if primary_metric is None:
+        return out
+    missing = [k for k, r in remedies.items() if "p_holm" not in r]
+    if missing:
+        raise ValueError(f"remedies without a Holm-adjusted p (use stats.family): {missing}")
+    if lr_grid is None or failure_made_by_model is None:
+        raise ValueError("primary_metric needs lr_grid and failure_made_by_model too")
+    return out | {
+        "seed_ids": [int(s) for s in cfg.seeds],
+        "primary_metric": primary_metric,
+        "interval": INTERVAL_TEXT,
+        "p_values": P_VALUES_TEXT,
+        "family_size": len(remedies),
+        "lr_grid": lr_grid,
+        "failure_made_by_model": bool(failure_made_by_model),
+        "not_shown": not_shown,
+    }
+
+
+ALPHA = 0.05
+INTERVAL_TEXT = "paired t, 95 %"
+P_VALUES_TEXT = "exact sign-flip permutation, Holm-adjusted over the experiment's family"
+
+
+def family(
+    metric: str, comparisons: dict[str, dict[str, Any]], *, alpha: float = ALPHA
+) -> dict[str, dict[str, Any]]:
+    """Issue 29's claim rule over one experiment's family of comparisons.
+
+    ``comparisons`` maps a name (say ``"clip 1.0 @ lr 0.3, d32x2"``: name the regime) to
+    ``{"remedy": [...], "base": [...]}``, one value of the primary metric per seed (same
+    seeds, same order; lower is better; a diverged run must already be mapped to a finite
+    value, e.g. its init loss). Optionally ``"mechanism": {"remedy": [...], "base": [...],
+    "metric": str, "direction": -1 | +1}``: a quantity the remedy acts on that is **not**
+    moved by construction (leave it out where it would be).
+
+    Each comparison gets its paired t-interval (95 %), its exact sign-flip p and that p
+    Holm-adjusted over the whole family. ``claim_met``: the interval lies below 0, the
+    Holm p is below ``alpha``, and the mechanism (where given) moved, its own t-interval
+    excluding 0 on ``direction``'s side. ``mechanism_moved`` is None where none is given.
+    """
+    if not comparisons:
+        return {}
+    effects = {
+        k: paired_effect(c["remedy"], c["base"], metric, interval="t")
+        for k, c in comparisons.items()
+    }
+    adjusted = holm([e["p_sign_flip"] for e in effects.values()])
+    out = {}
+    for (k, c), e, p_adj in zip(comparisons.items(), effects.values(), adjusted, strict=True):
+        entry = {
+            "metric": metric,
+            "effect_mean": e["effect_mean"],
+            "ci95": e["ci95"],
+            "p_sign_flip": e["p_sign_flip"],
+            "p_holm": p_adj,
+            "per_seed": e["per_seed"],
+            "mechanism_moved": None,
+        }
+        mech = c.get("mechanism")
+        if mech is not None:
+            direction = mech.get("direction", -1)
+            if direction not in (-1, 1):
+                raise ValueError(f"{k}: mechanism direction must be -1 or 1, got {direction}")
+            m = paired_effect(mech["remedy"], mech["base"], mech["metric"], interval="t")
+            lo, hi = m["ci95"]
+            entry["mechanism_moved"] = bool(hi < 0) if direction < 0 else bool(lo > 0)
+            entry["mechanism"] = {
+                "metric": mech["metric"],
+                "effect_mean": m["effect_mean"],
+                "ci95": m["ci95"],
+            }
+        entry["claim_met"] = bool(
+            below_zero(e) and p_adj < alpha and entry["mechanism_moved"] is not False
+        )
+        out[k] = entry
+    return out
+
+
+def lr_grid(score: dict[float, float]) -> dict[str, Any]:
+    """The LR grid record of one arm: ``score`` maps each learning rate to the arm's
+    seed-mean primary metric there (lower is better; diverged runs counted as their init
+    loss). Says which LR is best, whether it lies strictly inside the grid, and whether
+    the grid spans issue 29's 1e-4..1."""
+    if not score:
+        raise ValueError("score must map at least one learning rate to a value")
+    lrs = sorted(float(x) for x in score)
+    vals = {float(k): float(v) for k, v in score.items()}
+    if not all(math.isfinite(v) for v in vals.values()):
+        raise ValueError(f"scores must be finite (map a diverged run to its init loss): {vals}")
+    best = min(lrs, key=lambda x: vals[x])
+    return {
+        "lrs": lrs,
+        "best_lr": best,
+        "best_strictly_inside": bool(lrs[0] < best < lrs[-1]),
+        "spans_1e-4_to_1": bool(lrs[0] <= 1e-4 * (1 + 1e-9) and lrs[-1] >= 1 - 1e-9),
+        "score": [vals[x] for x in lrs],
+    }
+
+
+def finite_or(values: Sequence[float], fallback: Sequence[float]) -> list[float]:
+    """``values`` with each non-finite entry replaced by the matching ``fallback`` (a
+    diverged run's final loss counted as its loss at init)."""
+    return [
+        float(v) if math.isfinite(float(v)) else float(f)
+        for v, f in zip(values, fallback, strict=True)
+    ]
 
 
 def burst_count(losses: Sequence[float], factor: float = BURST_FACTOR) -> int:
@@ -209,74 +321,30 @@ def steps_lost(losses: Sequence[float], spikes: Sequence[int], *, window: int = 
 
 
 def interval(values: Sequence[float]) -> dict[str, Any]:
-    """Mean of ``values`` (one per seed) with its 95 % bootstrap interval."""
-    v = np.asarray(values, dtype=float)
-    lo, hi = bootstrap_ci(v)
-    return {"mean": float(np.mean(v)), "ci95": [lo, hi]}
+    """Mean of ``values`` (one per seed) with its 95 % t-interval."""
+    return {"mean": float(np.mean(values)), "ci95": list(t_interval(values))}
 
 
 # --------------------------------------------------------------------------- issue 29's rules:
 # paired t-intervals, exact sign-flip permutation p-values, Holm's correction.
 
 
-def _betacf(a: float, b: float, x: float) -> float:
-    """The continued fraction of the regularized incomplete beta (modified Lentz)."""
-    tiny, qab, qap, qam = 1e-300, a + b, a + 1.0, a - 1.0
-    c, d = 1.0, 1.0 - qab * x / qap
-    d = 1.0 / (d if abs(d) > tiny else tiny)
-    h = d
-    for m in range(1, 500):
-        m2 = 2 * m
-        for aa in (
-            m * (b - m) * x / ((qam + m2) * (a + m2)),
-            -(a + m) * (qab + m) * x / ((a + m2) * (qap + m2)),
-        ):
-            d = 1.0 + aa * d
-            d = 1.0 / (d if abs(d) > tiny else tiny)
-            c = 1.0 + aa / c
-            c = c if abs(c) > tiny else tiny
-            h *= d * c
-        if abs(d * c - 1.0) < 1e-15:
-            break
-    return h
-
-
-def _betainc(a: float, b: float, x: float) -> float:
-    """The regularized incomplete beta function I_x(a, b)."""
-    if x <= 0.0:
-        return 0.0
-    if x >= 1.0:
-        return 1.0
-    lbeta = math.lgamma(a + b) - math.lgamma(a) - math.lgamma(b)
-    front = math.exp(lbeta + a * math.log(x) + b * math.log1p(-x))
-    if x < (a + 1.0) / (a + b + 2.0):
-        return front * _betacf(a, b, x) / a
-    return 1.0 - front * _betacf(b, a, 1.0 - x) / b
-
-
 def t_cdf(t: float, df: float) -> float:
-    """The CDF of Student's t with ``df`` degrees of freedom."""
+    """The CDF of Student's t with ``df`` degrees of freedom (scipy, a JAX dependency)."""
+    from scipy import stats as sps
+
     if df <= 0:
         raise ValueError(f"df must be > 0, got {df}")
-    tail = 0.5 * _betainc(df / 2.0, 0.5, df / (df + t * t))
-    return 1.0 - tail if t >= 0 else tail
+    return float(sps.t.cdf(t, df))
 
 
 def t_quantile(q: float, df: float) -> float:
-    """The ``q`` quantile of Student's t (bisection on :func:`t_cdf`, to 1e-12)."""
+    """The ``q`` quantile of Student's t."""
+    from scipy import stats as sps
+
     if not 0 < q < 1:
         raise ValueError(f"q must be in (0, 1), got {q}")
-    if q < 0.5:
-        return -t_quantile(1 - q, df)
-    lo, hi = 0.0, 1.0
-    while t_cdf(hi, df) < q:
-        hi *= 2.0
-    for _ in range(200):
-        mid = 0.5 * (lo + hi)
-        lo, hi = (mid, hi) if t_cdf(mid, df) < q else (lo, mid)
-        if hi - lo < 1e-12 * max(1.0, hi):
-            break
-    return 0.5 * (lo + hi)
+    return float(sps.t.ppf(q, df))
 
 
 def t_interval(x: Sequence[float], *, level: float = 0.95) -> tuple[float, float]:

@@ -15,7 +15,7 @@ import sys
 import numpy as np
 import pytest
 
-from experiments import stats, summary_table
+from experiments import plots, stats, summary_table
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
@@ -296,6 +296,11 @@ def test_readme_table_matches_results():
     assert summary_table.render(text, summary_table.table()) == text, (
         "run python -m experiments.summary_table"
     )
+    top = summary_table.TOP_README.read_text()
+    assert summary_table.render(top, summary_table.claims(), summary_table.CLAIMS) == top, (
+        "run python -m experiments.summary_table"
+    )
+    assert summary_table.main(["--check"]) == 0
 
 
 def test_no_experiment_module_over_400_lines():
@@ -351,3 +356,112 @@ def test_paired_effect_with_a_t_interval():
     assert e["p_sign_flip"] == 0.25 and e["ci95"][1] < 0
     with pytest.raises(ValueError, match="interval"):
         stats.paired_effect([1.0], [1.0], "loss", interval="bca")
+
+
+def test_family_applies_t_intervals_sign_flip_and_holm():
+    # Hand-computed: differences [-1]*10 -> t-interval (-1, -1), sign-flip p = 2/1024;
+    # differences [1, -1, ...] -> mean 0, p = 1. Holm over m=2: min(1, 2*p) first.
+    ten = [0.0] * 10
+    fam = stats.family(
+        "loss",
+        {
+            "a": {"remedy": [-1.0] * 10, "base": ten},
+            "b": {"remedy": [1.0, -1.0] * 5, "base": ten},
+            "c": {
+                "remedy": [-1.0] * 10,
+                "base": ten,
+                "mechanism": {"remedy": ten, "base": ten, "metric": "m", "direction": -1},
+            },
+        },
+    )
+    assert fam["a"]["p_sign_flip"] == pytest.approx(2 / 1024)
+    assert fam["a"]["p_holm"] == pytest.approx(3 * 2 / 1024)
+    assert fam["c"]["p_holm"] == pytest.approx(3 * 2 / 1024)  # ties: the running max
+    assert fam["b"]["p_holm"] == pytest.approx(1.0)
+    assert fam["a"]["claim_met"] and fam["a"]["mechanism_moved"] is None
+    assert not fam["b"]["claim_met"]
+    assert fam["c"]["mechanism_moved"] is False and not fam["c"]["claim_met"]
+    # Five seeds can never pass: p >= 2/32 = 0.0625.
+    five = stats.family("loss", {"x": {"remedy": [-1.0] * 5, "base": [0.0] * 5}})
+    assert five["x"]["p_holm"] == pytest.approx(0.0625) and not five["x"]["claim_met"]
+    with pytest.raises(ValueError, match="direction"):
+        stats.family(
+            "l",
+            {
+                "x": {
+                    "remedy": [1.0, 2],
+                    "base": [0, 0],
+                    "mechanism": {"remedy": [1, 2], "base": [0, 0], "metric": "m", "direction": 0},
+                }
+            },
+        )
+
+
+def test_lr_grid_records_the_best_lr_and_the_span():
+    g = stats.lr_grid({1e-4: 3.0, 1e-3: 2.0, 1e-2: 1.5, 1e-1: 2.5, 1.0: 5.5})
+    assert g["best_lr"] == 1e-2 and g["best_strictly_inside"] and g["spans_1e-4_to_1"]
+    edge = stats.lr_grid({1e-3: 3.0, 1e-2: 1.0})
+    assert edge["best_lr"] == 1e-2 and not edge["best_strictly_inside"]
+    assert not edge["spans_1e-4_to_1"]
+    with pytest.raises(ValueError, match="finite"):
+        stats.lr_grid({1e-3: float("nan")})
+    assert stats.finite_or([1.0, float("nan")], [5.0, 5.5]) == [1.0, 5.5]
+
+
+def test_summary_with_a_primary_metric_requires_holm_and_the_grid():
+    class Cfg:
+        seeds = list(range(10))
+        d_model, n_layers = 32, 2
+
+    fam = stats.family("loss", {"a": {"remedy": [-1.0] * 10, "base": [0.0] * 10}})
+    grid = stats.lr_grid({1e-4: 2.0, 1e-2: 1.0, 1.0: 5.0})
+    s = stats.summary(
+        Cfg,
+        instability_reproduced=True,
+        failure_metric="f",
+        remedies=fam,
+        primary_metric="loss",
+        lr_grid=grid,
+        failure_made_by_model=True,
+    )
+    assert s["seed_ids"] == list(range(10)) and s["family_size"] == 1
+    assert s["interval"].startswith("paired t") and "Holm" in s["p_values"]
+    with pytest.raises(ValueError, match="Holm"):
+        stats.summary(
+            Cfg,
+            instability_reproduced=True,
+            failure_metric="f",
+            remedies={"a": {"claim_met": True}},
+            primary_metric="loss",
+            lr_grid=grid,
+            failure_made_by_model=True,
+        )
+    with pytest.raises(ValueError, match="lr_grid"):
+        stats.summary(
+            Cfg,
+            instability_reproduced=True,
+            failure_metric="f",
+            remedies=fam,
+            primary_metric="loss",
+        )
+
+
+def test_effects_and_metric_vs_lr_figures_are_written(tmp_path):
+    fam = stats.family("loss", {"a @ lr 0.1": {"remedy": [-1.0, -2.0], "base": [0.0, 0.0]}})
+    plots.effects(fam, path=tmp_path / "e.png", title="t")
+    rows = [
+        {"lr": lr, "seed": sd, "arm": a, "final_loss": v, "init_loss": 5.5}
+        for lr in (1e-3, 1e-2)
+        for sd in (0, 1)
+        for a, v in (("x", 2.0 + sd), ("y", float("nan")))
+    ]
+    plots.metric_vs_lr(
+        rows,
+        y="final_loss",
+        group="arm",
+        path=tmp_path / "m.png",
+        title="t",
+        ylabel="loss",
+        fallback="init_loss",
+    )
+    assert (tmp_path / "e.png").stat().st_size > 0 and (tmp_path / "m.png").stat().st_size > 0
