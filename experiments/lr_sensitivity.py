@@ -74,7 +74,7 @@ class Config(proxy.SweepConfig):
         return cls(
             steps=12,
             seq_len=16,
-            batch_size=4,
+            batch_size=8,
             seeds=(0, 1),
             lrs=(1e-4, 1e-2, 1.0),
             arms=("base", "both"),
