@@ -261,9 +261,10 @@ def summarize(cfg: Config, rows: list[dict]) -> tuple[dict, dict]:
     not_shown = ""
     if not met:
         not_shown = (
-            "tried qk-layernorm, z-loss 1e-4 and both against LR sensitivity over a 1e-4..1 "
-            f"grid at {', '.join(sizes)} ({cfg.steps} steps); no remedy lowered it with "
-            "Holm p < 0.05 at this size"
+            f"tried {', '.join(remedies_arms)} against the LR sensitivity over a "
+            f"{min(cfg.lrs):g}..{max(cfg.lrs):g} log grid at {', '.join(sizes)} "
+            f"({cfg.steps} steps, {len(cfg.seeds)} seeds); no remedy lowered it with its "
+            "t-interval below 0 and Holm p < 0.05 at this size"
         )
     summary = stats.summary(
         cfg,
