@@ -1,17 +1,24 @@
-"""Wortsman et al.'s small-scale proxy: LR sensitivity against model size, with remedies.
+"""Wortsman et al.'s small-scale proxy: LR sensitivity with and without qk-layernorm and z-loss.
 
-Trains the reference pre-LN decoder (AdamW 0.9/0.95, eps 1e-8, 5 % warmup then cosine)
-with **no weight decay and no gradient clipping**, so the attention logits and the output
-logits are free to grow (the two failures Wortsman et al. study), over a log-spaced
-learning-rate grid from 0.3 to 10, at three widths (depth and heads scaled with them), in four
-arms: ``base``, ``qk_norm`` (LayerNorm on queries and keys), ``z_loss`` (1e-4·log²Z) and
-``both``. Reports per size and arm the final held-out loss per LR and the LR sensitivity
-(mean over the grid of min(loss, loss at init) minus the best loss of the grid), and as
-mechanisms the max attention logit and the mean log Z over the last 10 % of steps.
+The setup follows Wortsman et al. (2023, §2) as far as a 2-core CPU allows: a pre-LN decoder
+with head dimension ≥ 32, AdamW (β = 0.9, 0.95, eps 1e-8), gradient clipping at global norm
+1, a linear warmup over 5 % of the run then cosine decay (to 0 here, to 1e-5 there), and
+**independent** weight decay 1e-4: θ ← θ − s_t·(η·u_t + λ·θ), where s_t ∈ [0, 1] is the
+schedule and η the peak LR, so the decay does not scale with η (optax's ``adamw`` decays by
+η·s_t·λ; :func:`independent_adamw`). The LR grid is a log grid over 1e-4..1, which holds the
+base arm's best LR strictly inside (recorded per arm and size in ``lr_grid``).
 
-Remedy effects are paired per seed (arm − base), with 95 % bootstrap intervals.
+Four arms: ``base``, ``qk_norm`` (LayerNorm on queries and keys per head), ``z_loss``
+(1e-4·log²Z) and ``both``. One LR sweep per seed gives one value of the primary metric,
+declared here before the run (:data:`PRIMARY`): Wortsman et al.'s LR sensitivity
+E_η[min(ℓ(η), ℓ₀)] − min_η ℓ(η) over the grid (ℓ₀: the loss at init; a diverged run counts
+as ℓ₀). Each remedy is compared with ``base`` per size, paired per seed: 95 % paired
+t-interval, exact sign-flip p, Holm over the family (remedies × sizes). Secondary, in their
+own Holm family and not in the summary: the final loss per LR at 1–10× the base arm's best
+LR. The mechanisms (max attention logit, log Z) are reported, not claimed: qk-layernorm
+bounds the attention logits and z-loss penalises log Z by construction.
 
-    python -m experiments.lr_sensitivity [--quick] [--lrs 0.1 1 10] [--seeds 0 1 2 3 4]
+    python -m experiments.lr_sensitivity [--quick] [--lrs 1e-4 1e-2 1] [--seeds 0 1 2]
 
 References:
   Wortsman et al., `Small-scale proxies for large-scale Transformer training instabilities
@@ -21,192 +28,424 @@ References:
 from __future__ import annotations
 
 import dataclasses
+import pathlib
 
 import numpy as np
+import optax
 
 from experiments import cli, common, plots, proxy, stats
 from experiments.trainer import Trainer
 
+#: The primary metric, declared before the run: one value per seed (lower is better).
+PRIMARY = "lr_sensitivity"
+PRIMARY_TEXT = (
+    "LR sensitivity E_lr[min(loss, init)] - min_lr loss over the grid (nats/byte), "
+    "remedy - base, per size"
+)
 ARMS = {
     "base": {},
     "qk_norm": {"qk_norm": True},
     "z_loss": {"z_loss": 1e-4},
     "both": {"qk_norm": True, "z_loss": 1e-4},
 }
-#: What each remedy acts on: (metric key, the arm's component that targets it).
-MECHANISM = {"qk_norm": "log10_max_attn_logit", "z_loss": "late_log_z", "both": "late_log_z"}
+#: Head dimension at least this (Wortsman et al. keep it fixed at 64 while scaling width).
+MIN_HEAD_DIM = 32
 
 
 @dataclasses.dataclass(frozen=True)
 class Config(proxy.SweepConfig):
-    steps: int = 200
-    weight_decay: float = 0.0
-    clip: float = 0.0
-    lrs: tuple[float, ...] = (0.3, 1.0, 3.0, 10.0)
+    steps: int = 2000
+    seq_len: int = 32
+    batch_size: int = 8
+    warmup_frac: float = 0.05
+    weight_decay: float = 1e-4
+    clip: float = 1.0
+    seeds: tuple[int, ...] = tuple(range(10))
+    lrs: tuple[float, ...] = proxy.log_grid(1e-4, 1.0, 5)
     arms: tuple[str, ...] = tuple(ARMS)
-    widths: tuple[int, ...] = (32, 48, 64)
-    depths: tuple[int, ...] = (1, 2, 3)
-    heads: tuple[int, ...] = (2, 4, 4)
+    widths: tuple[int, ...] = (32,)
+    depths: tuple[int, ...] = (1,)
+    heads: tuple[int, ...] = (1,)
+    #: Secondary comparisons: the grid's LRs from 1x to this many times the base's best LR.
+    top_factor: float = 10.0
 
     @classmethod
     def quick(cls):
-        q = dataclasses.asdict(proxy.SweepConfig.quick())
         return cls(
-            **q,
-            lrs=(1e-2, 1.0),
+            steps=12,
+            seq_len=16,
+            batch_size=8,
+            seeds=(0, 1),
+            lrs=(1e-4, 1e-2, 1.0),
             arms=("base", "both"),
-            widths=(16, 32),
-            depths=(1, 1),
-            heads=(2, 2),
         )
 
     def sizes(self) -> list[dict]:
         if not len(self.widths) == len(self.depths) == len(self.heads):
             raise ValueError("widths, depths and heads must have one length")
-        return [
-            {"d_model": d, "n_layers": L, "n_heads": h}
-            for d, L, h in zip(self.widths, self.depths, self.heads, strict=True)
-        ]
+        out = []
+        for d, L, h in zip(self.widths, self.depths, self.heads, strict=True):
+            if d % h or d // h < MIN_HEAD_DIM:
+                raise ValueError(f"d_model {d} / {h} heads: head dim must be >= {MIN_HEAD_DIM}")
+            out.append({"d_model": d, "n_layers": L, "n_heads": h})
+        return out
 
 
 def size_name(z: dict) -> str:
-    return f"d{z['d_model']}x{z['n_layers']}"
+    return f"d{z['d_model']}x{z['n_layers']}h{z['n_heads']}"
+
+
+def independent_adamw(
+    learning_rate,
+    unit,
+    *,
+    b1: float = 0.9,
+    b2: float = 0.95,
+    eps: float = 1e-8,
+    weight_decay: float = 1e-4,
+    clip: float = 1.0,
+) -> optax.GradientTransformation:
+    """AdamW with Wortsman et al.'s independent weight decay.
+
+    θ ← θ − s_t·(η·u_t + λ·θ): ``unit`` is the schedule s_t (peak 1), ``learning_rate``
+    the peak η, ``weight_decay`` λ. The decay is added after the LR scaling, so it follows
+    the schedule but not η (optax's ``adamw`` would decay by η·s_t·λ). Global-norm
+    clipping at ``clip`` first (0: none).
+    """
+    parts = [optax.clip_by_global_norm(clip)] if clip > 0 else []
+    parts += [
+        optax.scale_by_adam(b1=b1, b2=b2, eps=eps),
+        optax.scale_by_learning_rate(lambda c: learning_rate * unit(c)),
+        # updates are already negated here: add −λ·s_t·θ
+        optax.add_decayed_weights(lambda c: -weight_decay * unit(c)),
+    ]
+    return optax.chain(*parts)
+
+
+def factory(s: proxy.Setup):
+    """``factory(learning_rate)``: :func:`independent_adamw` on the schedule of ``s``."""
+    unit = proxy.unit_schedule(s)
+
+    def make(learning_rate):
+        return independent_adamw(
+            learning_rate,
+            unit,
+            b1=s.b1,
+            b2=s.b2,
+            eps=s.eps,
+            weight_decay=s.weight_decay,
+            clip=s.clip,
+        )
+
+    return make
 
 
 def run(cfg: Config, bar) -> tuple[list[dict], dict]:
     rows, curves = [], {}
     specs = [{"seed": sd, "learning_rate": lr} for lr in cfg.lrs for sd in cfg.seeds]
     late = max(1, cfg.steps // 10)
+    every = max(1, cfg.steps // 50)
     for z in cfg.sizes():
         for arm in cfg.arms:
             bar.set_postfix_str(f"{size_name(z)} {arm}")
-            r = Trainer(cfg.setup(clip=cfg.clip, **z, **ARMS[arm])).run_many(
-                specs, progress=bar.update
-            )
+            s = cfg.setup(clip=cfg.clip, **z, **ARMS[arm])
+            r = Trainer(s, factory(s)).run_many(specs, progress=bar.update)
             m = r.metrics
             for i in range(len(r.specs)):
+                logit = m["max_attn_logit"][i]
                 rows.append(
                     {
                         "size": size_name(z),
+                        "params": params_of(z),
                         "arm": arm,
                         **r.outcome(i),
-                        "max_attn_logit": float(np.nanmax(m["max_attn_logit"][i])),
-                        "log10_max_attn_logit": float(np.log10(np.nanmax(m["max_attn_logit"][i]))),
+                        "max_attn_logit": float(np.nanmax(logit)),
+                        "late_max_attn_logit": float(np.nanmax(logit[-late:])),
                         "late_log_z": float(np.nanmean(m["log_z"][i, -late:])),
                     }
                 )
-            top = r.index(learning_rate=max(cfg.lrs))
             curves[(size_name(z), arm)] = {
-                "max_attn_logit": m["max_attn_logit"][top],
-                "log_z": m["log_z"][top],
+                "specs": r.specs,
+                "loss": m["loss"][:, ::every],
+                "max_attn_logit": m["max_attn_logit"][:, ::every],
+                "log_z": m["log_z"][:, ::every],
+                "every": every,
             }
     return rows, curves
 
 
+def params_of(z: dict) -> int:
+    """Parameter count of the reference model of size ``z``."""
+    import jax
+
+    _, p = proxy.initial_model(proxy.Setup(**z))
+    return int(sum(x.size for x in jax.tree.leaves(p)))
+
+
+def _finite(rows) -> list[float]:
+    return stats.finite_or([r["final_loss"] for r in rows], [r["init_loss"] for r in rows])
+
+
 def sensitivity(rows, size, arm, seeds) -> list[float]:
+    """The primary metric: one LR sensitivity per seed (that seed's sweep over the grid)."""
     out = []
     for sd in seeds:
-        rr = [r for r in rows if r["size"] == size and r["arm"] == arm and r["seed"] == sd]
+        rr = [r for r in rows if (r["size"], r["arm"], r["seed"]) == (size, arm, sd)]
         out.append(stats.lr_sensitivity([r["final_loss"] for r in rr], rr[0]["init_loss"]))
     return out
 
 
-def mech(rows, size, arm, seeds, key) -> list[float]:
-    """The mechanism per seed: its mean over the LR grid."""
-    return [
-        float(
-            np.mean([r[key] for r in rows if (r["size"], r["arm"], r["seed"]) == (size, arm, sd)])
-        )
-        for sd in seeds
-    ]
+def loss_per_seed(rows, size, arm, lr, seeds) -> list[float]:
+    """Final loss per seed at one LR (a diverged run: its init loss)."""
+    out = []
+    for sd in seeds:
+        rr = [r for r in rows if (r["size"], r["arm"], r["lr"], r["seed"]) == (size, arm, lr, sd)]
+        out.append(_finite(rr)[0])
+    return out
+
+
+def grid_record(cfg: Config, rows, size, arm) -> dict:
+    return stats.lr_grid(
+        {lr: float(np.mean(loss_per_seed(rows, size, arm, lr, cfg.seeds))) for lr in cfg.lrs}
+    )
+
+
+def top_lrs(cfg: Config, best: float) -> list[float]:
+    """The grid's LRs from 1x to ``top_factor`` x the best LR."""
+    return [lr for lr in sorted(cfg.lrs) if best * (1 - 1e-9) <= lr <= cfg.top_factor * best]
 
 
 def summarize(cfg: Config, rows: list[dict]) -> tuple[dict, dict]:
     sizes = [size_name(z) for z in cfg.sizes()]
-    effects = {}
+    remedies_arms = [a for a in cfg.arms if a != "base"]
+    grids = {
+        f"{size}/{arm}": grid_record(cfg, rows, size, arm) for size in sizes for arm in cfg.arms
+    }
+    comparisons, secondary, effects = {}, {}, {}
     for size in sizes:
         base = sensitivity(rows, size, "base", cfg.seeds)
-        effects[size] = {"base_sensitivity": stats.interval(base)}
-        for arm in cfg.arms:
-            if arm == "base":
-                continue
-            key = MECHANISM[arm]
-            effects[size][arm] = {
-                "sensitivity": stats.paired_effect(
-                    sensitivity(rows, size, arm, cfg.seeds), base, "LR sensitivity"
-                ),
-                "mechanism": stats.moved(
-                    mech(rows, size, arm, cfg.seeds, key), mech(rows, size, "base", cfg.seeds, key)
-                )
-                | {"metric": key},
-                "arm_sensitivity": stats.interval(sensitivity(rows, size, arm, cfg.seeds)),
+        best = grids[f"{size}/base"]["best_lr"]
+        effects[size] = {
+            "sensitivity": {
+                a: stats.interval(sensitivity(rows, size, a, cfg.seeds)) for a in cfg.arms
+            },
+            "base_best_lr": best,
+            "lrs_1_to_10x_best": top_lrs(cfg, best),
+        }
+        for arm in remedies_arms:
+            comparisons[f"{arm} vs base, {size}"] = {
+                "remedy": sensitivity(rows, size, arm, cfg.seeds),
+                "base": base,
             }
-    big = sizes[-1]
-    remedies = {
-        f"{arm} @ {big}": stats.remedy(
-            "LR sensitivity", e["sensitivity"], e["mechanism"], e["mechanism"]["metric"]
+            for lr in top_lrs(cfg, best):
+                secondary[f"{arm} @ lr {lr:g} ({lr / best:.3g}x best), {size}"] = {
+                    "remedy": loss_per_seed(rows, size, arm, lr, cfg.seeds),
+                    "base": loss_per_seed(rows, size, "base", lr, cfg.seeds),
+                }
+    remedies = stats.family(PRIMARY_TEXT, comparisons)
+    second = stats.family(
+        "final held-out loss (nats/byte, diverged = init), remedy - base", secondary
+    )
+    # The failure: above its best LR the base arm's loss climbs (the top LR against the best).
+    top = max(cfg.lrs)
+    degrade = {}
+    for size in sizes:
+        best = grids[f"{size}/base"]["best_lr"]
+        d = np.subtract(
+            loss_per_seed(rows, size, "base", top, cfg.seeds),
+            loss_per_seed(rows, size, "base", best, cfg.seeds),
         )
-        for arm, e in effects[big].items()
-        if arm != "base_sensitivity"
-    }
-    top = [r for r in rows if r["arm"] == "base" and r["lr"] == max(cfg.lrs)]
+        degrade[size] = stats.interval(d) | {"top_lr": top, "best_lr": best}
+    reproduced = all(v["ci95"][0] > 0 for v in degrade.values())
+    met = [k for k, r in remedies.items() if r["claim_met"]]
+    not_shown = ""
+    if not met:
+        not_shown = (
+            f"tried {', '.join(remedies_arms)} against the LR sensitivity over a "
+            f"{min(cfg.lrs):g}..{max(cfg.lrs):g} log grid at {', '.join(sizes)} "
+            f"({cfg.steps} steps, {len(cfg.seeds)} seeds); no remedy lowered it with its "
+            "t-interval below 0 and Holm p < 0.05 at this size"
+        )
     summary = stats.summary(
         cfg,
-        instability_reproduced=any(r["failed"] for r in top),
-        failure_metric="final loss > init or non-finite, base arm at the top LR",
+        instability_reproduced=reproduced,
+        failure_metric="base arm: final loss at the top LR minus at its best LR, per seed "
+        "(t-interval above 0 at every size)",
         remedies=remedies,
         sizes=sizes,
+        note="primary metric fixed in code before the run; one LR sensitivity per seed and "
+        "arm; paired t-intervals, exact sign-flip p, Holm over remedies x sizes",
+        primary_metric=PRIMARY_TEXT,
+        lr_grid=grids,
+        failure_made_by_model=True,
+        not_shown=not_shown,
     )
+    effects["degradation_top_vs_best"] = degrade
+    effects["secondary_final_loss_1_to_10x_best"] = second
     return summary, effects
 
 
-def tables(cfg: Config, rows: list[dict], effects: dict) -> str:
-    t, e = [], []
-    for size, eff in effects.items():
+def fmt(v: dict, digits: int = 3) -> str:
+    lo, hi = v["ci95"]
+    m = v.get("effect_mean", v.get("mean"))
+    return f"{m:+.{digits}f} [{lo:+.{digits}f}, {hi:+.{digits}f}]"
+
+
+def tables(cfg: Config, rows: list[dict], summary: dict, effects: dict) -> str:
+    sizes = summary["sizes"]
+    t = []
+    for size in sizes:
         for arm in cfg.arms:
             row = {"size": size, "arm": arm}
             for lr in cfg.lrs:
                 rr = [r for r in rows if (r["size"], r["arm"], r["lr"]) == (size, arm, lr)]
-                v = np.mean([r["final_loss"] for r in rr])
-                row[f"lr {lr:g}"] = f"{v:.3f}" + (
-                    f" ({sum(r['failed'] for r in rr)} failed)"
-                    if any(r["failed"] for r in rr)
-                    else ""
+                nf = sum(r["failed"] for r in rr)
+                row[f"lr {lr:g}"] = f"{np.mean(_finite(rr)):.3f}" + (
+                    f" ({nf} failed)" if nf else ""
                 )
-            row["max attn logit (grid mean, log10)"] = (
-                f"{np.mean(mech(rows, size, arm, cfg.seeds, 'log10_max_attn_logit')):.2f}"
-            )
-            row["late log Z (grid mean)"] = (
-                f"{np.mean(mech(rows, size, arm, cfg.seeds, 'late_log_z')):.2f}"
-            )
+            g = summary["lr_grid"][f"{size}/{arm}"]
+            row["best LR"] = f"{g['best_lr']:g}" + ("" if g["best_strictly_inside"] else " (edge)")
+            row["LR sensitivity [95% t-CI]"] = fmt(effects[size]["sensitivity"][arm])
             t.append(row)
-        b = eff["base_sensitivity"]
-        e.append(
-            {
-                "size": size,
-                "arm": "base",
-                "LR sensitivity": f"{b['mean']:.3f} [{b['ci95'][0]:.3f}, {b['ci95'][1]:.3f}]",
-            }
-        )
-        for arm, v in eff.items():
-            if arm == "base_sensitivity":
-                continue
-            s = v["arm_sensitivity"]
-            e.append(
-                {
-                    "size": size,
-                    "arm": arm,
-                    "LR sensitivity": f"{s['mean']:.3f} [{s['ci95'][0]:.3f}, {s['ci95'][1]:.3f}]",
-                    "Δ vs base [95% CI]": common.fmt_ci(v["sensitivity"]),
-                    f"Δ {v['mechanism']['metric']} [95% CI]": common.fmt_ci(v["mechanism"], 2),
-                }
-            )
-    return (
-        f"Seed-mean final held-out loss, {len(cfg.seeds)} seeds, {cfg.steps} steps\n\n"
-        + common.markdown_table(t)
-        + "\nLR sensitivity (mean [95 % bootstrap CI]) and paired differences vs base\n\n"
-        + common.markdown_table(e, columns=list(e[1]) if len(e) > 1 else None)
+    m = []
+    for size in sizes:
+        for arm in cfg.arms:
+            for key, name in (
+                ("late_max_attn_logit", "late max attn logit"),
+                ("late_log_z", "late log Z"),
+            ):
+                row = {"size": size, "arm": arm, "quantity": name}
+                for lr in cfg.lrs:
+                    rr = [r for r in rows if (r["size"], r["arm"], r["lr"]) == (size, arm, lr)]
+                    row[f"lr {lr:g}"] = f"{np.nanmean([r[key] for r in rr]):.3g}"
+                m.append(row)
+    fam = [
+        {
+            "comparison": k,
+            "Δ LR sensitivity [95% t-CI]": fmt(v),
+            "p (sign-flip)": f"{v['p_sign_flip']:.4f}",
+            "p (Holm)": f"{v['p_holm']:.4f}",
+            "claim met": "yes" if v["claim_met"] else "no",
+        }
+        for k, v in summary["remedies"].items()
+    ]
+    sec = [
+        {
+            "comparison": k,
+            "Δ final loss [95% t-CI]": fmt(v),
+            "p (sign-flip)": f"{v['p_sign_flip']:.4f}",
+            "p (Holm, secondary family)": f"{v['p_holm']:.4f}",
+        }
+        for k, v in effects["secondary_final_loss_1_to_10x_best"].items()
+    ]
+    deg = "; ".join(
+        f"{s}: lr {v['top_lr']:g} − lr {v['best_lr']:g} = {fmt(v)}"
+        for s, v in effects["degradation_top_vs_best"].items()
     )
+    return (
+        f"Seed-mean final held-out loss (diverged = init), {len(cfg.seeds)} seeds, "
+        f"{cfg.steps} steps, and each arm's LR sensitivity (mean [95 % t-CI])\n\n"
+        + common.markdown_table(t)
+        + f"\nThe failure (base arm, top LR − best LR, paired t-CI): {deg}\n\n"
+        + f"Primary family: {PRIMARY_TEXT}. Paired per seed, 95 % t-intervals, exact "
+        "sign-flip p, Holm over the family\n\n"
+        + common.markdown_table(fam)
+        + "\nSecondary (own Holm family, not in the summary): final loss at 1–10x the base "
+        "arm's best LR\n\n"
+        + (common.markdown_table(sec) if sec else "(none)\n")
+        + "\nMechanisms, seed means over the last 10 % of steps (reported, not claimed: "
+        "qk-layernorm bounds the logits and z-loss penalises log Z by construction)\n\n"
+        + common.markdown_table(m)
+    )
+
+
+def figures(cfg: Config, rows: list[dict], summary: dict, curves: dict, out: pathlib.Path):
+    plots.metric_vs_lr(
+        rows,
+        y="final_loss",
+        group="arm",
+        panel="size",
+        fallback="init_loss",
+        path=out / "loss_vs_lr.png",
+        title=f"final held-out loss after {cfg.steps} steps",
+        ylabel="final held-out loss (nats/byte)",
+    )
+    plots.effects(
+        summary["remedies"], path=out / "effects.png", title="LR sensitivity: remedy − base"
+    )
+    plots.metric_vs_lr(
+        rows,
+        y="late_max_attn_logit",
+        group="arm",
+        panel="size",
+        path=out / "attn_logit_vs_lr.png",
+        title="max attention logit, last 10 % of steps",
+        ylabel="max attention logit",
+        logy=True,
+    )
+    plots.metric_vs_lr(
+        rows,
+        y="late_log_z",
+        group="arm",
+        panel="size",
+        path=out / "log_z_vs_lr.png",
+        title="mean output log Z, last 10 % of steps",
+        ylabel="log Z",
+    )
+    sensitivity_figure(cfg, summary, rows, out)
+    size = summary["sizes"][-1]
+    lr = max(cfg.lrs)
+    panels = {}
+    for key, name in (("loss", "training loss"), ("max_attn_logit", "max attention logit")):
+        panels[f"{size}, lr {lr:g}: {name}"] = {}
+        for arm in cfg.arms:
+            c = curves[(size, arm)]
+            idx = [i for i, sp in enumerate(c["specs"]) if sp["learning_rate"] == lr]
+            panels[f"{size}, lr {lr:g}: {name}"][arm] = np.asarray(c[key])[idx]
+    every = curves[(size, cfg.arms[0])]["every"]
+    n = next(iter(next(iter(panels.values())).values())).shape[1]
+    plots.curves(
+        panels,
+        path=out / "curves_top_lr.png",
+        xlabel="step",
+        ylabel="value (log scale)",
+        logy=True,
+        x=np.arange(n) * every,
+    )
+
+
+def sensitivity_figure(cfg: Config, summary: dict, rows: list[dict], out: pathlib.Path):
+    """Each arm's LR sensitivity per size: every seed as a dot, the mean with its 95 %
+    t-interval (categories side by side, not joined)."""
+    plt = plots.pyplot()
+    sizes = summary["sizes"]
+    fig, axes = plt.subplots(1, len(sizes), figsize=(4.6 * len(sizes), 3.6), squeeze=False)
+    for ax, size in zip(axes[0], sizes, strict=True):
+        for j, arm in enumerate(cfg.arms):
+            v = np.asarray(sensitivity(rows, size, arm, cfg.seeds))
+            ax.plot(
+                np.full(v.size, j) + np.linspace(-0.15, 0.15, v.size),
+                v,
+                ".",
+                color=f"C{j}",
+                alpha=0.5,
+            )
+            if v.size > 1:
+                lo, hi = stats.t_interval(v)
+                ax.errorbar(
+                    j + 0.3,
+                    v.mean(),
+                    yerr=[[v.mean() - lo], [hi - v.mean()]],
+                    fmt="o",
+                    color=f"C{j}",
+                    capsize=4,
+                )
+        ax.set_xticks(range(len(cfg.arms)))
+        ax.set_xticklabels(cfg.arms, fontsize=8)
+        ax.set_ylabel("LR sensitivity (nats/byte)")
+        plots.label(ax, f"{size}, {len(cfg.seeds)} seeds: dots, mean ± 95% t-CI")
+        ax.grid(alpha=0.3, axis="y")
+    plots.save_figure(fig, out / "sensitivity.png")
 
 
 def main(argv=None) -> dict:
@@ -217,65 +456,19 @@ def main(argv=None) -> dict:
         lambda bar: run(cfg, bar),
     )
     summary, effects = summarize(cfg, rows)
-    table = tables(cfg, rows, effects)
+    table = tables(cfg, rows, summary, effects)
     res = {
+        "primary_metric": PRIMARY,
         "rows": rows,
         "effects": effects,
-        "curves_top_lr_every_5": {
-            f"{s}/{a}": {k: v[:, ::5] for k, v in c.items()} for (s, a), c in curves.items()
+        "curves_every": {f"{s}/{a}": c["every"] for (s, a), c in curves.items()},
+        "curves": {
+            f"{s}/{a}": {k: np.asarray(c[k]) for k in ("loss", "max_attn_logit", "log_z")}
+            for (s, a), c in curves.items()
         },
     }
-    ex.write(res, table=table, title="LR sensitivity against model size", summary=summary)
-    sens_rows = [
-        {"size_i": i, "arm": arm, "seed": sd, "sens": v}
-        for i, size in enumerate(effects)
-        for arm in cfg.arms
-        for sd, v in zip(cfg.seeds, sensitivity(rows, size, arm, cfg.seeds), strict=True)
-    ]
-    plots.groups_vs_x(
-        sens_rows,
-        x="size_i",
-        y="sens",
-        group="arm",
-        path=out / "sensitivity_vs_size.png",
-        title="LR sensitivity vs size (x: "
-        + ", ".join(f"{i}={s}" for i, s in enumerate(effects))
-        + ")",
-        xlabel="model size index",
-        ylabel="LR sensitivity (nats/byte)",
-        logx=False,
-    )
-    plots.groups_vs_x(
-        rows,
-        x="lr",
-        y="final_loss",
-        group="arm",
-        panel="size",
-        path=out / "loss_vs_lr.png",
-        title="final held-out loss",
-        xlabel="peak learning rate",
-        ylabel="final loss (nats/byte)",
-        logy=True,
-    )
-    big = list(effects)[-1]
-    plots.curves(
-        {
-            f"{big}, lr {max(cfg.lrs):g}: max attention logit": {
-                a: curves[(big, a)]["max_attn_logit"] for a in cfg.arms
-            },
-        },
-        path=out / "logits.png",
-        xlabel="step",
-        ylabel="max attention logit",
-        logy=True,
-    )
-    plots.curves(
-        {f"{big}, lr {max(cfg.lrs):g}: log Z": {a: curves[(big, a)]["log_z"] for a in cfg.arms}},
-        path=out / "log_z.png",
-        xlabel="step",
-        ylabel="mean log Z of the output",
-        logy=True,
-    )
+    ex.write(res, table=table, title="LR sensitivity with qk-layernorm and z-loss", summary=summary)
+    figures(cfg, rows, summary, curves, out)
     return res
 
 
