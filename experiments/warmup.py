@@ -62,7 +62,7 @@ class Config(proxy.SweepConfig):
     @classmethod
     def quick(cls):
         q = dataclasses.asdict(proxy.SweepConfig.quick())
-        return cls(**{**q, "steps": 10}, lrs=(1e-4, 1e-2, 1.0), warmups=(0.0, 0.5))
+        return cls(**q, lrs=(1e-4, 1e-2, 1.0), warmups=(0.0, 0.5))
 
 
 def arm_name(cfg: Config, w: float) -> str:
