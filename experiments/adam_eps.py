@@ -36,12 +36,12 @@ from __future__ import annotations
 import dataclasses
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import optax
 
 import stabljax
 from experiments import cli, common, plots, proxy, stats
+from experiments.measure import EPS, adam_moments, mechanism
 from experiments.trainer import Trainer
 from stabljax.telemetry import path_str
 
@@ -53,9 +53,6 @@ PRIMARY_TEXT = (
 )
 ARMS = ("adamw_eps1e-8", "safe_adamw_eps0", "adamw_atan2")
 BASE = "adamw_eps1e-8"
-EPS = {"adamw_eps1e-8": 1e-8, "safe_adamw_eps0": 0.0, "adamw_atan2": 0.0}
-#: |u| within this of 1 counts as a sign-like update.
-SIGN_TOL = 0.1
 MECHANISM = ("sign_frac", "bimodality", "eps_bound_frac", "sign_frac_shallow")
 
 
@@ -109,69 +106,6 @@ def factory(arm: str, s: proxy.Setup):
 
 
 # --------------------------------------------------------------------------- the mechanism
-
-
-def adam_moments(opt_state):
-    """The first state in ``opt_state`` with ``count``, ``mu`` and ``nu`` (Adam's moments,
-    whichever of optax's, safe_adamw's or adamw_atan2's), searched depth first."""
-    if all(hasattr(opt_state, k) for k in ("count", "mu", "nu")):
-        return opt_state
-    children = (
-        [opt_state.inner_state]
-        if hasattr(opt_state, "inner_state")
-        else list(opt_state)
-        if isinstance(opt_state, tuple)
-        else []
-    )
-    for c in children:
-        found = adam_moments(c)
-        if found is not None:
-            return found
-    return None
-
-
-def normalized_update(m_hat, v_hat, arm: str):
-    """The update before the learning rate, from the bias-corrected moments."""
-    sv = jnp.sqrt(v_hat)
-    if arm == "adamw_atan2":
-        return 1.27 * jnp.arctan2(m_hat, sv)
-    if EPS[arm] > 0:
-        return m_hat / (sv + EPS[arm])
-    return jnp.where(sv > 0, m_hat / jnp.where(sv > 0, sv, 1.0), 0.0)
-
-
-def bimodality(u) -> jax.Array:
-    """The bimodality coefficient (skew² + 1) / kurtosis of the values ``u`` (population
-    moments; 1/3 for a Gaussian, 1 for two equal spikes, above 5/9 read as bimodal)."""
-    u = jnp.ravel(u).astype(jnp.float32)
-    d = u - jnp.mean(u)
-    m2 = jnp.mean(d**2)
-    skew = jnp.mean(d**3) / jnp.maximum(m2, 1e-38) ** 1.5
-    kurt = jnp.mean(d**4) / jnp.maximum(m2, 1e-38) ** 2
-    return jnp.where(m2 > 0, (skew**2 + 1) / jnp.maximum(kurt, 1e-38), 0.0)
-
-
-def mechanism(mu, nu, count, arm: str, b1: float, b2: float, shallow=None) -> dict:
-    """Molybog et al.'s quantities of one optimizer state (see the module docstring).
-    ``shallow``: a pytree of bools like ``mu`` (which leaves count as shallow)."""
-    c = jnp.asarray(count, jnp.float32)
-    leaves_m, leaves_v = jax.tree.leaves(mu), jax.tree.leaves(nu)
-    m = jnp.concatenate([x.ravel() for x in leaves_m]) / (1 - b1**c)
-    v = jnp.concatenate([x.ravel() for x in leaves_v]) / (1 - b2**c)
-    u = normalized_update(m, v, arm)
-    sign = jnp.abs(jnp.abs(u) - 1.0) < SIGN_TOL
-    sv = jnp.sqrt(v)
-    out = {
-        "sign_frac": jnp.mean(sign),
-        "bimodality": bimodality(u),
-        "eps_bound_frac": jnp.mean((sv > 0) & (sv < 1e-8)),
-    }
-    if shallow is not None:
-        mask = jnp.concatenate(
-            [jnp.full(x.size, f) for x, f in zip(leaves_m, jax.tree.leaves(shallow), strict=True)]
-        )
-        out["sign_frac_shallow"] = jnp.sum(sign & mask) / jnp.maximum(jnp.sum(mask), 1)
-    return out
 
 
 def probes(arm: str, s: proxy.Setup) -> dict:

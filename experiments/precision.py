@@ -22,9 +22,10 @@ Where the overflow is, measured two ways:
   non-finite, and which came first;
 - per LR (seed ``diagnose_seed``): at the final parameters of the ``fp16`` and ``fp32``
   runs, one float16 forward and backward pass of a training batch evaluated op by op
-  (:func:`trace_values`), at loss scale 1: the largest float16 value of the forward and of
-  the backward pass against 65504, the first op whose output is non-finite (forward or
-  backward, its primitive and source line), and the largest float16 gradient per layer.
+  (:func:`experiments.measure.value_tracer`), at loss scale 1: the largest float16 value
+  of the forward and of the backward pass against 65504, the first op whose output is
+  non-finite (forward or backward, its primitive and source line), and the largest
+  float16 gradient per layer.
 
     python -m experiments.precision [--quick] [--lrs 0.001 0.01 1] [--seeds 0 1 2]
 
@@ -35,16 +36,15 @@ References:
 from __future__ import annotations
 
 import dataclasses
-import math
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 
 import stabljax
 from experiments import cli, common, plots, proxy, stats
-from experiments.trainer import FAST_COMPILE, Trainer
+from experiments.measure import Diagnoser
+from experiments.trainer import Trainer
 
 #: The primary metric, declared before the run: lower is better.
 PRIMARY = "primary_loss"
@@ -88,163 +88,6 @@ def precision(arm: str, cfg: Config):
             min_scale=cfg.min_scale,
         )
     return proxy.precision_of(arm)
-
-
-# --------------------------------------------------------------------------- locating overflow
-
-
-def _sub_jaxpr(eqn):
-    """The closed jaxpr of a call-like eqn (jit, closed_call, remat), else None."""
-    for key in ("jaxpr", "call_jaxpr"):
-        sub = eqn.params.get(key)
-        if sub is not None and hasattr(sub, "jaxpr") and hasattr(sub, "consts"):
-            return sub
-    return None
-
-
-def _interpret(jaxpr, consts, vals, backward, stats_out, metas):
-    """Binds ``jaxpr``'s ops one by one on ``vals`` (inlining jit calls) and appends, per
-    floating output, its (max finite |x|, all finite) to ``stats_out`` and its description
-    to ``metas``; returns the outputs."""
-    from jax._src import source_info_util
-    from jax.extend import core as jcore
-
-    env = {}
-
-    def read(v):
-        return v.val if isinstance(v, jcore.Literal) else env[v]
-
-    for v, c in zip(jaxpr.constvars, consts, strict=True):
-        env[v] = c
-    for v, a in zip(jaxpr.invars, vals, strict=True):
-        env[v] = a
-    for eqn in jaxpr.eqns:
-        ins = [read(v) for v in eqn.invars]
-        bwd = backward or "transpose" in str(eqn.source_info.name_stack)
-        sub = _sub_jaxpr(eqn)
-        if sub is not None and eqn.primitive.name in ("pjit", "jit", "closed_call", "remat"):
-            outs = _interpret(sub.jaxpr, sub.consts, ins, bwd, stats_out, metas)
-        else:
-            outs = eqn.primitive.bind(*ins, **eqn.params)
-            if not eqn.primitive.multiple_results:
-                outs = [outs]
-            for o in outs:
-                if not jnp.issubdtype(o.dtype, jnp.floating):
-                    continue
-                a = jnp.abs(o.astype(jnp.float32))
-                fin = jnp.isfinite(a)
-                stats_out.append((jnp.max(jnp.where(fin, a, 0.0), initial=0.0), jnp.all(fin)))
-                metas.append(
-                    {
-                        "primitive": eqn.primitive.name,
-                        "phase": "backward" if bwd else "forward",
-                        "dtype": str(o.dtype),
-                        "source": source_info_util.summarize(eqn.source_info)
-                        .split("site-packages/")[-1]
-                        .split("/work/")[-1],
-                    }
-                )
-        for v, o in zip(eqn.outvars, outs, strict=True):
-            env[v] = o
-    return [read(v) for v in jaxpr.outvars]
-
-
-def value_tracer(fn):
-    """``trace(*args) -> records``: evaluates ``fn(*args)`` op by op (its jaxpr, inlined
-    into one jitted program, compiled once per argument shape, that also returns every
-    op's statistics) and returns one record per floating output of every op, in execution
-    order: ``primitive``, ``phase`` (``"backward"`` where the op belongs to a transpose,
-    i.e. a VJP; else ``"forward"``), ``dtype``, ``max_abs`` (over the finite entries; 0 if
-    none), ``finite`` (all entries) and ``source`` (file:line of the code that made it)."""
-    metas: list[dict] = []
-
-    def program(*args):
-        closed = jax.make_jaxpr(fn)(*args)
-        stats_out: list = []
-        metas.clear()
-        _interpret(closed.jaxpr, closed.consts, jax.tree.leaves(args), False, stats_out, metas)
-        return stats_out
-
-    compiled = jax.jit(program, compiler_options=FAST_COMPILE)
-
-    def trace(*args) -> list[dict]:
-        values = jax.device_get(compiled(*args))
-        return [
-            {**m, "max_abs": float(mx), "finite": bool(ok)}
-            for m, (mx, ok) in zip(metas, values, strict=True)
-        ]
-
-    return trace
-
-
-def trace_values(fn, *args) -> list[dict]:
-    """:func:`value_tracer` of ``fn``, called once on ``args``."""
-    return value_tracer(fn)(*args)
-
-
-def locate(records: list[dict], dtype: str = "float16") -> dict:
-    """What :func:`trace_values`' records say about ``dtype``'s range: the largest finite
-    value of the forward and of the backward pass (and the op that made it), the number of
-    ops with a non-finite output in each, and the first op whose ``dtype`` output is
-    non-finite (float32 values such as the attention mask's -inf are not overflow)."""
-    out: dict = {}
-    for phase in ("forward", "backward"):
-        rr = [r for r in records if r["phase"] == phase and r["dtype"] == dtype]
-        top = max(rr, key=lambda r: r["max_abs"], default=None)
-        out[f"{phase}_max_abs"] = top["max_abs"] if top else 0.0
-        out[f"{phase}_max_abs_op"] = f"{top['primitive']} @ {top['source']}" if top else ""
-        out[f"{phase}_nonfinite_ops"] = sum(not r["finite"] for r in rr)
-    first = next((r for r in records if not r["finite"] and r["dtype"] == dtype), None)
-    out["first_nonfinite"] = (
-        None
-        if first is None
-        else {k: first[k] for k in ("phase", "primitive", "dtype", "source", "max_abs")}
-    )
-    return out
-
-
-class Diagnoser:
-    """One float16 forward and backward pass of a batch (float32 master weights cast to
-    float16 inside the differentiated function, as the train step does), the loss
-    multiplied by a loss scale, op by op (:func:`value_tracer`; compiled once)."""
-
-    def __init__(self, s16: proxy.Setup):
-        model = proxy.build_model(s16)[0]
-        apply_fn = stabljax.nnx_apply(model)[0]
-        prec = proxy.precision_of("fp16-noscale")
-
-        def loss16(p16, inputs, targets):
-            logits = apply_fn(p16, inputs)
-            return optax.softmax_cross_entropy_with_integer_labels(logits, targets).mean()
-
-        def grad32(p32, inputs, targets, scale):
-            return jax.grad(lambda p: loss16(prec.cast_to_compute(p), inputs, targets) * scale)(p32)
-
-        self._trace = value_tracer(grad32)
-        self._grad16 = jax.jit(
-            lambda p16, i, t, sc: jax.value_and_grad(lambda p: loss16(p, i, t) * sc)(p16),
-            compiler_options=FAST_COMPILE,
-        )
-        self._prec = prec
-
-    def __call__(self, params, batch: dict, scale: float) -> dict:
-        """:func:`locate` of the pass, the scaled loss and the largest float16 gradient
-        per top-level layer (``embed``, ``blocks/0``, ...)."""
-        inputs, targets = jnp.asarray(batch["inputs"]), jnp.asarray(batch["targets"])
-        sc = jnp.float32(scale)
-        out = locate(self._trace(params, inputs, targets, sc))
-        loss, g16 = self._grad16(self._prec.cast_to_compute(params), inputs, targets, sc)
-        per_layer: dict[str, float] = {}
-        for path, g in jax.tree_util.tree_leaves_with_path(g16):
-            keys = [str(getattr(k, "key", getattr(k, "idx", k))) for k in path]
-            name = "/".join(keys[:2]) if keys[0] == "blocks" else keys[0]
-            a = np.asarray(g, np.float32)
-            v = float(np.max(np.abs(a))) if np.all(np.isfinite(a)) else math.inf
-            per_layer[name] = max(per_layer.get(name, 0.0), v)
-        out["loss_scale"] = float(scale)
-        out["scaled_loss"] = float(loss)
-        out["grad16_max_abs_per_layer"] = per_layer
-        return out
 
 
 # --------------------------------------------------------------------------- the sweep

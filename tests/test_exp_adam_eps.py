@@ -7,7 +7,7 @@ import numpy as np
 from experiment_runs import run_quick
 from scipy import stats as sps
 
-from experiments import adam_eps, proxy
+from experiments import adam_eps, measure, proxy
 
 FIGURES = ("loss_vs_lr.png", "sign_frac_vs_lr.png", "mechanism.png", "effects.png")
 
@@ -59,8 +59,8 @@ def test_mechanism_by_hand():
             u = m / (np.sqrt(v) + 1e-8)
         else:
             u = np.where(v > 0, m / np.sqrt(np.where(v > 0, v, 1)), 0.0)
-        got = adam_eps.mechanism(mu, nu, c, arm, b1, b2, {"a": True, "b": False})
-        sign = np.abs(np.abs(u) - 1) < adam_eps.SIGN_TOL
+        got = measure.mechanism(mu, nu, c, arm, b1, b2, {"a": True, "b": False})
+        sign = np.abs(np.abs(u) - 1) < measure.SIGN_TOL
         assert np.isclose(got["sign_frac"], sign.mean())
         assert np.isclose(got["sign_frac_shallow"], sign[:20].mean())
         bc = (sps.skew(u) ** 2 + 1) / sps.kurtosis(u, fisher=False)
@@ -76,7 +76,7 @@ def test_first_step_is_sign_descent():
     for arm in ("safe_adamw_eps0", "adamw_atan2", "adamw_eps1e-8"):
         tx = adam_eps.factory(arm, s)(learning_rate=1e-2, grad_scale=1.0)
         _, state = tx.update(g, tx.init(params), params)
-        st = adam_eps.adam_moments(state)
-        got = adam_eps.mechanism(st.mu, st.nu, st.count, arm, s.b1, s.b2)
+        st = measure.adam_moments(state)
+        got = measure.mechanism(st.mu, st.nu, st.count, arm, s.b1, s.b2)
         assert float(got["sign_frac"]) == 1.0
         assert np.isclose(float(got["bimodality"]), 1.0, atol=1e-5)

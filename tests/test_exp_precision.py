@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 from experiment_runs import run_quick
 
-from experiments import precision
+from experiments import measure, precision
 
 FIGURES = ("loss_vs_lr.png", "nonfinite_grad_steps.png", "effects.png")
 
@@ -41,11 +41,11 @@ def test_locate_backward_overflow_by_hand():
     def grad(scale):
         return jax.grad(lambda x: jnp.sum((x * 2).astype(jnp.float32)) * scale)
 
-    ok = precision.locate(precision.trace_values(grad(1e4), _f16(np.ones(3))))
+    ok = measure.locate(measure.trace_values(grad(1e4), _f16(np.ones(3))))
     assert ok["forward_max_abs"] == 2.0 and ok["backward_max_abs"] == 2e4
     assert ok["first_nonfinite"] is None and ok["backward_nonfinite_ops"] == 0
     # 1e5 > 65504: the forward is unchanged, the backward overflows
-    bad = precision.locate(precision.trace_values(grad(1e5), _f16(np.ones(3))))
+    bad = measure.locate(measure.trace_values(grad(1e5), _f16(np.ones(3))))
     assert bad["forward_max_abs"] == 2.0 and bad["forward_nonfinite_ops"] == 0
     assert bad["first_nonfinite"]["phase"] == "backward"
     assert bad["backward_nonfinite_ops"] >= 1
@@ -53,10 +53,10 @@ def test_locate_backward_overflow_by_hand():
 
 def test_locate_forward_overflow_by_hand():
     # 300**2 = 90000 > 65504: the square overflows in the forward pass
-    rec = precision.trace_values(lambda x: jnp.sum((x * x).astype(jnp.float32)), _f16([300.0]))
-    out = precision.locate(rec)
+    rec = measure.trace_values(lambda x: jnp.sum((x * x).astype(jnp.float32)), _f16([300.0]))
+    out = measure.locate(rec)
     assert out["first_nonfinite"]["phase"] == "forward"
     assert out["first_nonfinite"]["primitive"] == "mul"
     # float32 values are not float16 overflow
-    f32 = precision.trace_values(lambda x: jnp.sum(x * x), jnp.asarray([300.0], jnp.float32))
-    assert precision.locate(f32)["first_nonfinite"] is None
+    f32 = measure.trace_values(lambda x: jnp.sum(x * x), jnp.asarray([300.0], jnp.float32))
+    assert measure.locate(f32)["first_nonfinite"] is None
