@@ -6,6 +6,7 @@ and where float16 overflows, op by op (:mod:`experiments.precision`).
 from __future__ import annotations
 
 import math
+import pathlib
 
 import jax
 import jax.numpy as jnp
@@ -20,6 +21,7 @@ from experiments.trainer import FAST_COMPILE
 EPS = {"adamw_eps1e-8": 1e-8, "safe_adamw_eps0": 0.0, "adamw_atan2": 0.0}
 #: |u| within this of 1 counts as a sign-like update.
 SIGN_TOL = 0.1
+_ROOT = str(pathlib.Path(__file__).resolve().parents[1]) + "/"
 
 
 # --------------------------------------------------------------------------- Adam's update
@@ -139,7 +141,7 @@ def _interpret(jaxpr, consts, vals, backward, stats_out, metas):
                         "dtype": str(o.dtype),
                         "source": source_info_util.summarize(eqn.source_info)
                         .split("site-packages/")[-1]
-                        .split("/work/")[-1],
+                        .replace(_ROOT, ""),
                     }
                 )
         for v, o in zip(eqn.outvars, outs, strict=True):

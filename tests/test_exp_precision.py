@@ -60,3 +60,19 @@ def test_locate_forward_overflow_by_hand():
     # float32 values are not float16 overflow
     f32 = measure.trace_values(lambda x: jnp.sum(x * x), jnp.asarray([300.0], jnp.float32))
     assert measure.locate(f32)["first_nonfinite"] is None
+
+
+@pytest.mark.slow
+def test_precision_diagnosis(tmp_path):
+    # the op-by-op diagnosis of the final parameters (Trainer.run_many(keep_params=True))
+    res, cfg, s = run_quick("precision", tmp_path, "--diagnose-seed", "0")
+    loc = res["overflow_location"]
+    assert set(loc) == {"fp16", "fp32"}
+    for arm, by_lr in loc.items():
+        assert set(by_lr) == {f"{lr:g}" for lr in cfg["lrs"]}
+        for d in by_lr.values():
+            assert d["loss_scale"] == 1.0 and d["forward_max_abs"] > 0
+            assert set(d["grad16_max_abs_per_layer"]) >= {"embed", "blocks/0"}
+            assert ("at_run_final_scale" in d) == (arm == "fp16")
+            if d["first_nonfinite"] is None:
+                assert d["forward_nonfinite_ops"] == d["backward_nonfinite_ops"] == 0
