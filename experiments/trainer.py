@@ -40,12 +40,15 @@ class Runs:
       metrics: per-step metrics, each ``[runs, steps]``.
       eval_steps: the steps of the held-out evaluations (0 first: the loss at init).
       eval_loss: ``[runs, len(eval_steps)]``.
+      params: the final parameters, stacked over runs (host numpy), or None unless
+        ``run_many(..., keep_params=True)``.
     """
 
     specs: list[dict[str, Any]]
     metrics: dict[str, np.ndarray]
     eval_steps: np.ndarray
     eval_loss: np.ndarray
+    params: Any = None
 
     @property
     def init_loss(self) -> np.ndarray:
@@ -194,12 +197,17 @@ class Trainer:
         )
 
     def run_many(
-        self, runs: Sequence[dict[str, Any]], *, progress: Callable[[int], Any] | None = None
+        self,
+        runs: Sequence[dict[str, Any]],
+        *,
+        progress: Callable[[int], Any] | None = None,
+        keep_params: bool = False,
     ) -> Runs:
         """Trains every run of ``runs`` (dicts of ``seed``, hyperparameters and optional
         ``overrides`` of :class:`Setup` fields) side by side; returns :class:`Runs`.
 
-        ``progress(n)`` is advanced by ``n`` run-steps after each evaluation period.
+        ``progress(n)`` is advanced by ``n`` run-steps after each evaluation period;
+        ``keep_params`` also returns the final parameters (``Runs.params``).
         """
         if not runs:
             raise ValueError("runs must name at least one run")
@@ -251,6 +259,7 @@ class Trainer:
             if progress is not None:
                 progress(k * len(specs))
         history, losses = jax.device_get((history, losses))
+        final = jax.device_get(state.params) if keep_params else None
         metrics = {
             name: np.concatenate([h[name] for h in history], axis=0).T for name in history[0]
         }
@@ -259,4 +268,5 @@ class Trainer:
             metrics=metrics,
             eval_steps=np.arange(0, self.s.steps + 1, k),
             eval_loss=np.stack(losses, axis=1).astype(float),
+            params=final,
         )
