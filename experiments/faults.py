@@ -1,8 +1,19 @@
-"""The bad data and the compiled programs of :mod:`experiments.spike_recovery`.
+"""The bad data, the repeated-n-gram filter and the compiled programs of
+:mod:`experiments.spike_recovery`.
 
-Two faults at fixed data indices: a window of garbage batches (random target bytes) and
-state-dependent traps (a loss that is NaN only when the model's loss on that batch is
-already below a threshold). ``cfg`` is a :class:`experiments.spike_recovery.Config`.
+The bad data is OLMo 2's (Team OLMo, `2 OLMo 2 Furious <https://arxiv.org/abs/2501.00656>`_,
+2024, §3.1): documents made of one short n-gram repeated over and over (their example:
+``g4ODg4OD...``), which they found behind loss and gradient-norm spikes. A window of
+``bad_len`` batches from ``bad_start`` on is replaced by such documents: each sequence
+repeats one n-gram of 1..``ngram_max`` tokens, half of them random bytes, half an n-gram
+cut from the corpus. Nothing is set by hand in the loss or the gradient: whatever spike
+follows is the model's own response to training on that data.
+
+The filter is OLMo 2's remedy as OLMo-core applies it to every training instance
+(``InstanceFilterConfig(repetition_min_period=1, repetition_max_period=13,
+repetition_max_count=32)``): an instance in which some n-gram of 1-13 tokens repeats 32
+or more times in a row is dropped (here: its loss weight is 0).
+``cfg`` is a :class:`experiments.spike_recovery.Config`.
 """
 
 from __future__ import annotations
@@ -18,21 +29,77 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 import stabljax
 from experiments import proxy
 
+#: OLMo-core's instance filter, as OLMo 2 trained with it.
+FILTER_MIN_PERIOD = 1
+FILTER_MAX_PERIOD = 13
+FILTER_MAX_COUNT = 32
 
-def garbage(cfg: Any) -> range:
-    return range(cfg.garbage_start, cfg.garbage_start + cfg.garbage_len)
+
+def bad_window(cfg: Any) -> range:
+    return range(cfg.bad_start, cfg.bad_start + cfg.bad_len)
 
 
-def poisoned(batch_fn, cfg: Any, seed: int):
-    """``batch_fn`` with garbage targets in the window and the trap flag on trap batches."""
+def max_repeats(
+    tokens: np.ndarray, *, min_period: int = FILTER_MIN_PERIOD, max_period: int = FILTER_MAX_PERIOD
+) -> int:
+    """The most times any n-gram of ``min_period..max_period`` tokens repeats back to back
+    in the 1-D ``tokens`` (a span of length L with period p counts ``L // p`` repeats; 1 if
+    nothing repeats)."""
+    x = np.asarray(tokens)
+    best = 1
+    for p in range(min_period, min(max_period, x.size - 1) + 1):
+        eq = np.concatenate([[False], x[p:] == x[:-p], [False]])
+        edges = np.flatnonzero(np.diff(eq.astype(np.int8)))
+        if edges.size:
+            run = int(np.max(edges[1::2] - edges[::2]))  # longest run of x[i + p] == x[i]
+            best = max(best, (run + p) // p)
+    return best
+
+
+def repeated_ngram_flag(tokens: np.ndarray, *, max_count: int = FILTER_MAX_COUNT) -> bool:
+    """OLMo 2's filter: True (drop) when an n-gram of 1-13 tokens repeats >= ``max_count``
+    times in a row in ``tokens``."""
+    return max_repeats(tokens) >= max_count
+
+
+def _window(b: dict) -> np.ndarray:
+    return np.concatenate([b["inputs"], b["targets"][:, -1:]], axis=1)
+
+
+def repeated_ngram_window(rng: np.random.Generator, length: int, n_max: int, corpus, j: int):
+    """One bad document of ``length`` tokens: an n-gram (1..``n_max`` tokens; random bytes for
+    even ``j``, cut from ``corpus`` for odd) repeated, from a random phase."""
+    n = int(rng.integers(1, n_max + 1))
+    if j % 2 == 0:
+        gram = rng.integers(0, 256, n)
+    else:
+        at = int(rng.integers(0, corpus.shape[0] - n))
+        gram = corpus[at : at + n].astype(np.int64)
+    reps = np.tile(gram, length // n + 2)
+    phase = int(rng.integers(0, n))
+    return reps[phase : phase + length].astype(np.int32)
+
+
+def poisoned(batch_fn, cfg: Any, seed: int, corpus: np.ndarray):
+    """``batch_fn`` with the bad window's batches replaced by repeated-n-gram documents
+    (``bad_frac`` of each batch's sequences); every batch gets a per-sequence ``weight`` 1
+    and a ``bad`` flag (1 for a repeated-n-gram document)."""
 
     def fn(i: int):
         b = dict(batch_fn(i))
-        if i in garbage(cfg):
+        w = _window(b)
+        bad = np.zeros(w.shape[0], np.int32)
+        if i in bad_window(cfg):
             rng = np.random.default_rng([seed, 7, i])
-            b["targets"] = rng.integers(0, 256, b["targets"].shape, dtype=np.int32)
-        b["trap"] = np.full((b["inputs"].shape[0],), int(i in cfg.traps), np.int32)
-        return b
+            for j in range(int(round(cfg.bad_frac * w.shape[0]))):
+                w[j] = repeated_ngram_window(rng, w.shape[1], cfg.ngram_max, corpus, j)
+                bad[j] = 1
+        return {
+            "inputs": w[:, :-1],
+            "targets": w[:, 1:],
+            "weight": np.ones(w.shape[0], np.float32),
+            "bad": bad,
+        }
 
     return fn
 
@@ -40,21 +107,35 @@ def poisoned(batch_fn, cfg: Any, seed: int):
 def clean_batches(batch_fn):
     def fn(i: int):
         b = dict(batch_fn(i))
-        b["trap"] = np.zeros((b["inputs"].shape[0],), np.int32)
-        return b
+        n = b["inputs"].shape[0]
+        return {**b, "weight": np.ones(n, np.float32), "bad": np.zeros(n, np.int32)}
 
     return fn
 
 
-def trap_loss(apply_fn, threshold: float):
-    """Cross-entropy, NaN on a trap batch when that cross-entropy is below ``threshold``."""
+def filtered(batch_fn):
+    """``batch_fn`` with OLMo 2's repeated-n-gram filter: a flagged sequence (clean or bad)
+    gets loss weight 0, so it contributes nothing to the loss or the gradient."""
+
+    def fn(i: int):
+        b = dict(batch_fn(i))
+        w = _window(b)
+        keep = np.array([not repeated_ngram_flag(row) for row in w], np.float32)
+        return {**b, "weight": b["weight"] * keep}
+
+    return fn
+
+
+def weighted_loss(apply_fn):
+    """Cross-entropy averaged over the sequences of weight 1 (0 if all are dropped)."""
 
     def loss_fn(params, batch):
         logits = apply_fn(params, batch["inputs"])
-        ce = optax.softmax_cross_entropy_with_integer_labels(logits, batch["targets"]).mean()
-        fire = jnp.logical_and(jnp.max(batch["trap"]) > 0, ce < threshold)
-        # NaN times the loss (not a selected NaN constant) so the gradient is NaN too.
-        return ce * jnp.where(fire, jnp.nan, 1.0), {"trap_fired": fire}
+        ce = optax.softmax_cross_entropy_with_integer_labels(logits, batch["targets"]).mean(-1)
+        w = batch["weight"]
+        kept = jnp.sum(w)
+        loss = jnp.sum(w * ce) / jnp.maximum(kept, 1.0)
+        return loss, {"kept": kept, "bad_trained": jnp.sum(w * batch["bad"])}
 
     return loss_fn
 
@@ -73,7 +154,7 @@ class Programs:
                 stabljax.skip_spikes(base, warmup_steps=cfg.spike_warmup)
             ),
         }
-        loss = trap_loss(self.apply_fn, cfg.trap_threshold)
+        loss = weighted_loss(self.apply_fn)
         self.steps = {k: stabljax.make_train_step(loss, o) for k, o in self.optimizers.items()}
         apply_fn = self.apply_fn
 

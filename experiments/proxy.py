@@ -29,6 +29,7 @@ class Setup:
     norm: str = "layernorm"
     qk_norm: bool = False
     init_scheme: str = "gpt2"
+    embed: str = "plain"
     lr: float = 3e-3
     warmup_frac: float = 0.05
     steps: int = 300
@@ -87,30 +88,68 @@ def model_config(s: Setup, *, n_layers: int | None = None):
     )
 
 
-def build_model(s: Setup, *, n_layers: int | None = None):
-    """The reference Transformer of ``s``; returns ``(model, config)``."""
+#: ``Setup.embed``: how the token embeddings enter the residual stream. ``"plain"``: as
+#: they are (the reference model). Takase et al.'s remedies (`Spike No More
+#: <https://arxiv.org/abs/2312.16903>`_, 2023), which give the embeddings a std near 1:
+#: ``"scaled"`` multiplies them by √d_model in the forward pass (Scaled Embed; a tied
+#: unembedding keeps the unscaled weight), ``"layernorm"`` normalises token + position
+#: embedding before the first block (Embed LN). Same parameters as ``"plain"`` (``"layernorm"``
+#: adds the norm's), drawn from the same seed.
+EMBEDS = ("plain", "scaled", "layernorm")
+
+
+def _embedded_model(cfg, seed: int, embed: str):
+    """The reference Transformer with ``embed`` (see :data:`EMBEDS`)."""
+    import math
+
     from flax import nnx
 
-    from stabljax.reference.nn import TransformerLM
+    from stabljax.reference.nn import TransformerLM, _norm
 
+    if embed not in EMBEDS:
+        raise ValueError(f"embed must be one of {EMBEDS}, got {embed!r}")
+    model = TransformerLM(cfg, rngs=nnx.Rngs(seed))
+    if embed == "scaled":
+        model.embed.__class__ = _ScaledEmbed()
+        model.embed.embed_scale = math.sqrt(cfg.d_model)
+    elif embed == "layernorm":
+        if cfg.norm_placement != "pre":
+            raise ValueError("embed='layernorm' needs a pre-LN model (post-LN norms them already)")
+        model.embed_norm = _norm(cfg, cfg.d_model, nnx.Rngs(seed))
+    return model
+
+
+@functools.cache
+def _ScaledEmbed():
+    """``nnx.Embed`` whose lookup is multiplied by ``embed_scale`` (its ``attend``, the tied
+    unembedding, is not: the model reads ``embedding`` directly)."""
+    from flax import nnx
+
+    class ScaledEmbed(nnx.Embed):
+        def __call__(self, inputs):
+            return super().__call__(inputs) * self.embed_scale
+
+    return ScaledEmbed
+
+
+def build_model(s: Setup, *, n_layers: int | None = None):
+    """The reference Transformer of ``s``; returns ``(model, config)``."""
     cfg = model_config(s, n_layers=n_layers)
-    return TransformerLM(cfg, rngs=nnx.Rngs(s.seed)), cfg
+    return _embedded_model(cfg, s.seed, s.embed), cfg
 
 
 @functools.lru_cache(maxsize=64)
-def _initial_model(cfg, seed: int):
-    from flax import nnx
-
+def _initial_model(cfg, seed: int, embed: str = "plain"):
     import stabljax
-    from stabljax.reference.nn import TransformerLM
 
-    model = TransformerLM(cfg, rngs=nnx.Rngs(seed))
+    model = _embedded_model(cfg, seed, embed)
     return model, stabljax.nnx_apply(model)[1]
 
 
 def initial_model(s: Setup):
-    """``(model, params)`` of :func:`build_model`, built once per model config and seed."""
-    return _initial_model(model_config(s), s.seed)
+    """``(model, params)`` of :func:`build_model`, built once per model config, seed and
+    ``embed``."""
+    return _initial_model(model_config(s), s.seed, s.embed)
 
 
 def lr_schedule(s: Setup):

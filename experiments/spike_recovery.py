@@ -1,24 +1,28 @@
 """The main job: which remedy recovers a run from bad data, attributed arm by arm.
 
-Trains the reference Transformer on the embedded corpus (Python's own sources) with two
-kinds of bad data injected at fixed data indices, and five arms on each of 3 seeds:
+Trains the reference Transformer on the embedded corpus (Python's own sources) and, at
+fixed data indices, replaces a window of ``bad_len`` batches by OLMo 2's bad data:
+documents made of one short n-gram repeated over and over (Team OLMo, `2 OLMo 2 Furious
+<https://arxiv.org/abs/2501.00656>`_, 2024, found them behind loss and gradient-norm spikes;
+:mod:`experiments.faults`). Nothing is injected into the loss or the gradient: the spike on
+clean data that follows is the model's own response to training on that data.
 
-- a window of **garbage batches** (random target bytes: a bad shard, a loss spike);
-- **state-dependent traps**: batches whose loss is NaN only when the model's loss on them
-  is already below ``trap_threshold`` (inside the loss function: it depends on the
-  parameters, not on a peek at the controller). The first trap falls where the model has
-  not learnt yet and is harmless; the later ones fire. PaLM saw spikes that the same
-  batches did not cause from another state; this is a synthetic, deterministic version.
-
-Arms: ``clean`` (no bad data), ``unguarded`` (``clip_by_global_norm + adamw``), ``guards``
-(``skip_nonfinite(skip_spikes(...))`` around it), ``rollback`` (the plain optimizer driven
-by :class:`stabljax.RollbackController`: checkpoints, detection, rollback, data skip) and
-``both``. The controller's margins are PaLM's scaled to the run: restart about
+Six arms per seed: ``clean`` (no bad data), ``unguarded`` (``clip_by_global_norm + adamw``),
+``guards`` (``skip_nonfinite(skip_spikes(...))`` around it), ``rollback`` (the plain
+optimizer driven by :class:`stabljax.RollbackController`: checkpoints, detection, rollback,
+data skip), ``both``, and ``filter`` (OLMo 2's remedy: the repeated-n-gram filter on the
+data stream, an instance with an n-gram of 1-13 tokens repeated >= 32 times in a row gets
+loss weight 0). The controller's margins are PaLM's scaled to the run: restart about
 ``steps / 8`` steps before the onset (PaLM: ~100 steps) and skip past the detection by
-``garbage_len`` batches, so the skip covers the bad window. Reports the final held-out
-loss with its interval, steps lost (compute steps beyond ``steps``), batches skipped,
-rollbacks and the bad updates applied in the final trajectory; effects are paired per seed
-against ``unguarded`` (a diverged run counts as its loss at init).
+``bad_len`` batches.
+
+Primary metric (:data:`PRIMARY`, declared before the run): the final held-out loss, a
+diverged run counted as its loss at init. Each remedy is compared with ``unguarded``, paired
+per seed (paired t-interval, exact sign-flip p, Holm over the 4 remedies). The learning rate
+is fixed (``lr``); a one-seed LR scan of the ``clean`` arm over 1e-4..1 (``scan_lrs``) says
+where it lies against the best LR. Also reported: the held-out loss right after the bad
+window (the spike on clean data), steps lost, batches skipped, rollbacks, guard skips, bad
+sequences trained on in the final trajectory, clean sequences the filter dropped.
 
     python -m experiments.spike_recovery [--quick] [--steps 400] [--seeds 0 1 2] ...
 """
@@ -36,9 +40,13 @@ import numpy as np
 import stabljax
 import stabljax.report
 from experiments import cli, common, faults, plots, proxy, stats
-from experiments.faults import Programs, garbage
+from experiments.faults import Programs, bad_window
+from experiments.trainer import Trainer
 
-ARMS = ("clean", "unguarded", "guards", "rollback", "both")
+ARMS = ("clean", "unguarded", "guards", "rollback", "both", "filter")
+REMEDIES = ("guards", "rollback", "both", "filter")
+#: The primary metric, declared before the run: lower is better.
+PRIMARY = "final held-out loss (nats/byte; diverged = loss at init)"
 DETECTION_DELAY = 21  # DivergenceDetector's default max_skip_streak, plus one
 TRIAGE_KEYS = ("verdict", "reason", "window", "culprits", "narrowed")
 
@@ -46,15 +54,18 @@ TRIAGE_KEYS = ("verdict", "reason", "window", "culprits", "narrowed")
 @dataclasses.dataclass(frozen=True)
 class Config(proxy.ModelSize):
     n_heads: int = 2
+    seq_len: int = 128
     steps: int = 400
-    lr: float = 3e-3
-    seeds: tuple[int, ...] = (0, 1, 2)
-    garbage_start: int = 150
-    garbage_len: int = 30
-    traps: tuple[int, ...] = (20, 260, 320)
-    trap_threshold: float = 2.9
+    lr: float = 1e-2
+    seeds: tuple[int, ...] = tuple(range(8))
+    bad_start: int = 150
+    bad_len: int = 20
+    bad_frac: float = 1.0
+    ngram_max: int = 4
     save_every: int = 10
     spike_warmup: int = 50
+    scan_lrs: tuple[float, ...] = proxy.log_grid(1e-4, 1.0, 9)
+    scan_seeds: tuple[int, ...] = (0,)
     corpus: str | None = None
     workdir: str | None = dataclasses.field(
         default=None,
@@ -71,14 +82,14 @@ class Config(proxy.ModelSize):
             steps=80,
             d_model=16,
             n_layers=1,
-            seq_len=16,
+            seq_len=64,
             seeds=(0, 1, 2),
-            garbage_start=40,
-            garbage_len=8,
-            traps=(2, 60),
-            trap_threshold=4.5,
+            bad_start=40,
+            bad_len=8,
+            ngram_max=2,
             save_every=5,
             spike_warmup=15,
+            scan_lrs=(1e-3, 1e-2, 1e-1),
         )
 
     @property
@@ -87,7 +98,19 @@ class Config(proxy.ModelSize):
         return max(self.save_every, self.steps // 8)
 
     def setup(self, **fields) -> proxy.Setup:
-        return super().setup(lr=self.lr, steps=self.steps, corpus=self.corpus, **fields)
+        return super().setup(
+            **{"lr": self.lr, "steps": self.steps, "corpus": self.corpus, **fields}
+        )
+
+
+def data_source(cfg: Config, s: proxy.Setup, arm: str, seed: int):
+    """The batches arm ``arm`` trains on (a pure function of the index)."""
+    source = proxy.corpus_batches(s)
+    if arm == "clean":
+        return faults.clean_batches(source)
+    corpus = proxy._corpus(s.corpus_bytes, s.corpus)
+    source = faults.poisoned(source, cfg, seed, corpus)
+    return faults.filtered(source) if arm == "filter" else source
 
 
 def run_arm(cfg: Config, progs: Programs, arm: str, seed: int, dirs: tuple, bar):
@@ -99,8 +122,7 @@ def run_arm(cfg: Config, progs: Programs, arm: str, seed: int, dirs: tuple, bar)
     init_loss = progs.evaluate(s, params)
     state = stabljax.TrainState.create(params, progs.optimizers[kind])
     step = progs.steps[kind]
-    source = proxy.corpus_batches(s)
-    source = faults.clean_batches(source) if arm == "clean" else faults.poisoned(source, cfg, seed)
+    source = data_source(cfg, s, arm, seed)
     calls: list[dict] = []  # one per step call: data index, step it trained, metrics
     fed: list[int] = []
 
@@ -125,7 +147,7 @@ def run_arm(cfg: Config, progs: Programs, arm: str, seed: int, dirs: tuple, bar)
             # detection comes late (a 20-step skip streak, or 10 steps of patience).
             keep=(cfg.margin + DETECTION_DELAY) // cfg.save_every + 2,
             rollback_margin=cfg.margin,
-            extra_skip=cfg.garbage_len,
+            extra_skip=cfg.bad_len,
             detectors=[
                 stabljax.control.SpikeDetector(),
                 stabljax.control.DivergenceDetector(),
@@ -172,25 +194,38 @@ def run_arm(cfg: Config, progs: Programs, arm: str, seed: int, dirs: tuple, bar)
             batches_skipped=sum(b - a for a, b in ctl.skipped_ranges),
             skipped_ranges=ctl.skipped_ranges,
             events=events,
+            heldout_after_window=None,
         )
     else:
+        after = None
         for i in range(cfg.steps):
             if len(calls) >= 2:  # at most two steps in flight (BUILD.md, "Bounded dispatch")
                 jax.block_until_ready(calls[-2]["m"])
             state, m = step(state, batch_fn(i))
             calls.append({"step": i, "index": i, "m": m})
             bar.update(1)
-        out.update(rollbacks=0, batches_skipped=0, skipped_ranges=[])
+            if i == bad_window(cfg)[-1]:  # the spike on clean data: held-out loss right after
+                after = progs.evaluate(s, state.params)
+        out.update(
+            rollbacks=0,
+            batches_skipped=0,
+            skipped_ranges=[],
+            heldout_after_window=common.finite_or_nan(after),
+        )
     got = jax.device_get([c["m"] for c in calls])
     final_call = {}  # the call that trained each step of the final trajectory
     for k, c in enumerate(calls):
         final_call[c["step"]] = k
-    bad_applied = 0
+    bad_trained = kept = 0
     for k in final_call.values():
-        m, idx = got[k], calls[k]["index"]
-        applied = not bool(m["skipped"])
-        if arm != "clean" and applied and (idx in garbage(cfg) or bool(m["trap_fired"])):
-            bad_applied += 1
+        m = got[k]
+        kept += float(m["kept"])
+        if not bool(m["skipped"]):
+            bad_trained += int(round(float(m["bad_trained"])))
+    final_idx = [calls[k]["index"] for k in final_call.values()]
+    per_batch = int(round(cfg.bad_frac * cfg.batch_size)) if arm != "clean" else 0
+    bad_in_traj = per_batch * sum(i in bad_window(cfg) for i in final_idx)
+    dropped = int(round(len(final_idx) * cfg.batch_size - kept))
     losses = np.array([float(m["loss"]) for m in got])
     final = progs.evaluate(s, state.params)
     out.update(
@@ -199,15 +234,22 @@ def run_arm(cfg: Config, progs: Programs, arm: str, seed: int, dirs: tuple, bar)
         compute_steps=len(calls),
         steps_lost=len(calls) - cfg.steps,
         guard_skips=int(sum(bool(m["skipped"]) for m in got)),
-        traps_fired=[calls[k]["index"] for k, m in enumerate(got) if bool(m["trap_fired"])],
-        bad_updates_applied=bad_applied,
+        bad_sequences_trained=bad_trained,
+        # sequences of the final trajectory the filter dropped that were not bad data
+        clean_dropped=dropped - (bad_in_traj - bad_trained) if arm == "filter" else 0,
         final_loss=common.finite_or_nan(final),
         diverged=not np.isfinite(final),
-        bad_calls=[
-            k for k, c in enumerate(calls) if c["index"] in garbage(cfg) or c["index"] in cfg.traps
-        ],
+        bad_calls=[k for k, c in enumerate(calls) if c["index"] in bad_window(cfg)],
     )
     return out
+
+
+def lr_scan(cfg: Config, bar) -> list[dict]:
+    """The ``clean`` arm over ``scan_lrs`` (``scan_seeds``), one vmapped program."""
+    s = cfg.setup()
+    specs = [{"seed": sd, "learning_rate": lr} for lr in cfg.scan_lrs for sd in cfg.scan_seeds]
+    r = Trainer(s).run_many(specs, progress=bar.update)
+    return [r.outcome(i) for i in range(len(specs))]
 
 
 def make_workdir(cfg: Config, out: pathlib.Path) -> pathlib.Path:
@@ -227,18 +269,19 @@ def make_workdir(cfg: Config, out: pathlib.Path) -> pathlib.Path:
     return workdir
 
 
-def summarize(cfg: Config, runs: list[dict]) -> tuple[dict, dict]:
-    def col(arm, key, diverged_as_init=False):
+def summarize(cfg: Config, runs: list[dict], scan: list[dict]) -> tuple[dict, dict]:
+    def col(arm, key):
         rr = sorted((r for r in runs if r["arm"] == arm), key=lambda r: r["seed"])
-        if diverged_as_init:
-            return [r["init_loss"] if r["diverged"] else r["final_loss"] for r in rr]
+        if key == "final_loss":  # the primary metric: a diverged run counts as its init loss
+            return stats.finite_or([r["final_loss"] for r in rr], [r["init_loss"] for r in rr])
         return [r[key] for r in rr]
 
     arms = {}
     for arm in ARMS:
-        fl = col(arm, "final_loss", diverged_as_init=True)
+        after = col(arm, "heldout_after_window")
         arms[arm] = {
-            "final_loss": stats.interval(fl),
+            "final_loss": stats.interval(col(arm, "final_loss")),
+            "heldout_after_window": stats.interval(after) if None not in after else None,
             "diverged": int(sum(col(arm, "diverged"))),
             **{
                 k: float(np.mean(col(arm, k)))
@@ -247,70 +290,130 @@ def summarize(cfg: Config, runs: list[dict]) -> tuple[dict, dict]:
                     "batches_skipped",
                     "rollbacks",
                     "guard_skips",
-                    "bad_updates_applied",
+                    "bad_sequences_trained",
+                    "clean_dropped",
                 )
             },
         }
-    base = col("unguarded", "final_loss", diverged_as_init=True)
-    remedies, effects = {}, {}
-    for arm in ("guards", "rollback", "both"):
-        e = stats.paired_effect(col(arm, "final_loss", True), base, "final loss (diverged = init)")
-        mech = stats.moved(col(arm, "bad_updates_applied"), col("unguarded", "bad_updates_applied"))
-        effects[arm] = {
-            "final_loss": e,
-            "mechanism": mech,
-            "vs_clean": stats.paired_effect(
-                col(arm, "final_loss", True), col("clean", "final_loss", True), "final loss"
-            ),
-        }
-        remedies[arm] = stats.remedy(
-            "final held-out loss (diverged = init)",
-            e,
-            mech,
-            "bad updates applied in the final trajectory",
+    base = col("unguarded", "final_loss")
+    size = f"d{cfg.d_model}x{cfg.n_layers}"
+    regime = f"@ lr {cfg.lr:g}, {size}"
+    remedies = stats.family(
+        PRIMARY,
+        {f"{arm} {regime}": {"remedy": col(arm, "final_loss"), "base": base} for arm in REMEDIES},
+    )
+    # The failure: the bad data raises the unguarded run's final loss over the clean run's.
+    failure = stats.paired_effect(base, col("clean", "final_loss"), PRIMARY, interval="t")
+    spike = stats.paired_effect(
+        col("unguarded", "heldout_after_window"),
+        col("clean", "heldout_after_window"),
+        "held-out loss right after the bad window",
+        interval="t",
+    )
+    vs_clean = {
+        arm: stats.paired_effect(
+            col(arm, "final_loss"), col("clean", "final_loss"), PRIMARY, interval="t"
         )
+        for arm in REMEDIES
+    }
+    reproduced = bool(failure["ci95"][0] > 0)
+    score: dict[float, list[float]] = {}
+    for r in scan:
+        v = r["final_loss"] if np.isfinite(r["final_loss"]) else r["init_loss"]
+        score.setdefault(r["lr"], []).append(v)
+    grid = stats.lr_grid({lr: float(np.mean(v)) for lr, v in score.items()})
+    grid["arm"] = f"clean, {len(cfg.scan_seeds)} seed(s), {cfg.steps} steps, {size}"
+    grid["main_lr"] = cfg.lr
+    grid["main_lr_over_best"] = cfg.lr / grid["best_lr"]
+    met = [k for k, r in remedies.items() if r["claim_met"]]
+    if not reproduced:
+        not_shown = (
+            f"at {size}, lr {cfg.lr:g}, the repeated-n-gram window did not raise the unguarded "
+            "final loss above the clean run's (paired t-interval includes 0)"
+        )
+    elif not met:
+        not_shown = (
+            f"the bad data raised the final loss by {failure['effect_mean']:+.3f}, but no remedy "
+            "passed Holm at p < 0.05 on the final held-out loss"
+        )
+    else:
+        not_shown = ""
     summary = stats.summary(
         cfg,
-        instability_reproduced=bool(
-            arms["unguarded"]["diverged"] > 0
-            or stats.below_zero(stats.paired_effect(col("clean", "final_loss", True), base, "x"))
+        instability_reproduced=reproduced,
+        failure_metric=(
+            "unguarded minus clean final held-out loss, paired t-interval above 0 (the spike "
+            "is the model's response to repeated-n-gram documents; nothing is injected into "
+            "the loss or gradient)"
         ),
-        failure_metric="unguarded final loss non-finite or above the clean run's (paired CI)",
         remedies=remedies,
+        sizes=[size],
+        note=(
+            f"fixed lr {cfg.lr:g} = {grid['main_lr_over_best']:.3g}x the best LR of a "
+            f"{len(cfg.scan_seeds)}-seed clean-arm scan ({grid['best_lr']:g}); bad batches "
+            f"{cfg.bad_start}-{cfg.bad_start + cfg.bad_len - 1} of {cfg.steps}"
+        ),
+        primary_metric=PRIMARY,
+        lr_grid=grid,
+        failure_made_by_model=True,
+        not_shown=not_shown,
     )
-    return summary, {"arms": arms, "effects": effects}
+    return summary, {
+        "arms": arms,
+        "failure": failure,
+        "spike_after_window": spike,
+        "vs_clean": vs_clean,
+        "lr_scan": scan,
+    }
 
 
-def table(res: dict) -> str:
+def table(cfg: Config, res: dict, summary: dict) -> str:
+    def ci(x, nd=3):
+        if x is None:
+            return "—"
+        return f"{x['mean']:.{nd}f} [{x['ci95'][0]:.{nd}f}, {x['ci95'][1]:.{nd}f}]"
+
     rows = []
     for arm, a in res["arms"].items():
-        fl = a["final_loss"]
         rows.append(
             {
                 "arm": arm,
-                "final loss [95% CI]": (
-                    f"{fl['mean']:.3f} [{fl['ci95'][0]:.3f}, {fl['ci95'][1]:.3f}]"
-                ),
+                "final held-out loss [95% t-CI]": ci(a["final_loss"]),
+                "held-out loss after the bad window": ci(a["heldout_after_window"]),
                 "diverged": a["diverged"],
                 "rollbacks": a["rollbacks"],
                 "batches skipped": a["batches_skipped"],
                 "guard skips": a["guard_skips"],
                 "steps lost": a["steps_lost"],
-                "bad updates applied": a["bad_updates_applied"],
+                "bad sequences trained": a["bad_sequences_trained"],
+                "clean sequences filtered": a["clean_dropped"],
             }
         )
     eff = [
         {
-            "arm − unguarded": k,
-            "Δ final loss [95% CI]": common.fmt_ci(v["final_loss"]),
-            "arm − clean": common.fmt_ci(v["vs_clean"]),
-            "Δ bad updates applied [95% CI]": common.fmt_ci(v["mechanism"], 1),
+            "remedy − unguarded": k,
+            "Δ final loss [95% t-CI]": common.fmt_ci(r),
+            "p sign-flip": f"{r['p_sign_flip']:.4f}",
+            "p Holm": f"{r['p_holm']:.4f}",
+            "claim met": r["claim_met"],
+            "remedy − clean": common.fmt_ci(res["vs_clean"][k.split(" ")[0]]),
         }
-        for k, v in res["effects"].items()
+        for k, r in summary["remedies"].items()
+    ]
+    f, sp = res["failure"], res["spike_after_window"]
+    g = summary["lr_grid"]
+    scan = [
+        {"lr": f"{lr:g}", "clean final held-out loss": f"{v:.3f}"}
+        for lr, v in zip(g["lrs"], g["score"], strict=True)
     ]
     return common.captioned_tables(
-        ("Means over seeds (a diverged run's final loss counts as its loss at init)", rows),
-        ("Paired per-seed differences, 95 % bootstrap intervals", eff),
+        (f"Means over {len(cfg.seeds)} seeds, lr {cfg.lr:g}", rows),
+        (f"{PRIMARY}: paired per seed against unguarded, Holm over 4", eff),
+        (f"LR scan of the clean arm ({g['arm']}); best {g['best_lr']:g}", scan),
+    ) + (
+        f"\nunguarded − clean: final loss {common.fmt_ci(f)} (p sign-flip "
+        f"{f['p_sign_flip']:.4f}); held-out loss right after the bad window "
+        f"{common.fmt_ci(sp)}.\n"
     )
 
 
@@ -320,13 +423,17 @@ def main(argv=None) -> dict:
     workdir = make_workdir(cfg, out)
     progs = Programs(cfg)
     dirs = (workdir, out / "reports")
-    runs = ex.sweep(
-        len(ARMS) * len(cfg.seeds) * cfg.steps,
-        lambda bar: [run_arm(cfg, progs, arm, sd, dirs, bar) for arm in ARMS for sd in cfg.seeds],
+    total = (len(ARMS) * len(cfg.seeds) + len(cfg.scan_lrs) * len(cfg.scan_seeds)) * cfg.steps
+    runs, scan = ex.sweep(
+        total,
+        lambda bar: (
+            [run_arm(cfg, progs, arm, sd, dirs, bar) for arm in ARMS for sd in cfg.seeds],
+            lr_scan(cfg, bar),
+        ),
     )
-    summary, res = summarize(cfg, runs)
+    summary, res = summarize(cfg, runs, scan)
     res["runs"] = runs
-    text = table(res)
+    text = table(cfg, res, summary)
     ex.write(res, table=text, title="Spike recovery (main job)", summary=summary)
     panels = {}
     for arm in ARMS:
@@ -335,14 +442,29 @@ def main(argv=None) -> dict:
         ys = np.full((len(rr), n), np.nan)
         for j, r in enumerate(rr):
             ys[j, : len(r["losses"])] = r["losses"]
-        panels[f"{arm} (x: step calls)"] = {"loss": ys}
+        panels[arm] = {"loss": ys}
+    w = bad_window(cfg)
     plots.curves(
         panels,
         path=out / "loss.png",
-        xlabel="train-step calls (compute)",
+        xlabel="train-step calls (compute; rollback arms replay steps)",
         ylabel="training loss (nats/byte)",
         cap=8.0,
-        marks={f"{a} (x: step calls)": [cfg.garbage_start, *cfg.traps] for a in ARMS},
+        marks={a: [w[0], w[-1] + 1] for a in ARMS},
+    )
+    plots.effects(
+        summary["remedies"],
+        path=out / "effects.png",
+        title=f"remedy − unguarded, {len(cfg.seeds)} seeds (paired t 95% CI, Holm over 4)",
+    )
+    plots.metric_vs_lr(
+        [{**r, "arm": "clean"} for r in scan],
+        y="final_loss",
+        group="arm",
+        path=out / "lr_scan.png",
+        title=f"clean arm LR scan (main run: lr {cfg.lr:g})",
+        ylabel="final held-out loss (nats/byte)",
+        fallback="init_loss",
     )
     for r in runs:
         if "report" in r:

@@ -1,15 +1,71 @@
-"""``python -m experiments.init_schemes --quick``: what it writes and what it must show."""
+"""``python -m experiments.init_schemes --quick``: what it writes and what it must show,
+and Takase et al.'s embedding options of the proxy model (``Setup.embed``)."""
 
 import math
 
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
 from experiment_runs import run_quick
 
-FIGURES = ("init.png",)
+from experiments import init_schemes, proxy
+
+FIGURES = ("init.png", "lr_scan.png", "effects.png")
+
+
+def _setup(embed):
+    return proxy.Setup(
+        d_model=16, n_layers=2, n_heads=2, seq_len=8, init_scheme="fixed:0.02", embed=embed
+    )
+
+
+def test_scaled_embed_multiplies_the_lookup_by_sqrt_d_and_keeps_the_parameters():
+    plain, p0 = proxy.initial_model(_setup("plain"))
+    scaled, p1 = proxy.initial_model(_setup("scaled"))
+    assert jax.tree.all(jax.tree.map(lambda a, b: bool(jnp.all(a == b)), p0, p1))
+    tokens = jnp.arange(8)[None]
+    ref = plain.embed.embedding[...][tokens] * math.sqrt(16)  # by hand
+    np.testing.assert_allclose(scaled.embed(tokens), ref, rtol=1e-6)
+    assert float(jnp.std(plain.embed.embedding[...])) == pytest.approx(0.02, rel=0.1)
+    # The tied unembedding is not scaled, so the logits differ only through the blocks.
+    assert not np.allclose(plain(tokens), scaled(tokens))
+
+
+def test_embed_layernorm_gives_the_first_block_unit_std_inputs():
+    model, _ = proxy.initial_model(_setup("layernorm"))
+    tokens = jnp.arange(8)[None]
+    h = model.embed(tokens) + model.pos_embed[...][:8]
+    normed = np.asarray(model.embed_norm(h))
+    var = np.asarray(h).var(-1)  # LayerNorm by hand: std var / (var + eps), eps 1e-5
+    np.testing.assert_allclose(normed.std(-1), np.sqrt(var / (var + 1e-5)), rtol=1e-3)
+    assert normed.std(-1).min() > 0.95
+    np.testing.assert_allclose(normed.mean(-1), 0.0, atol=1e-5)
+    assert float(np.std(np.asarray(h))) < 0.1  # the plain embedding is ~0.03
+
+
+def test_embed_is_checked():
+    with pytest.raises(ValueError, match="embed must be"):
+        proxy.initial_model(_setup("bogus"))
+
+
+def test_grad_spikes_by_hand():
+    g = np.ones(60)
+    g[30] = 3.5  # > 3x the median of the 30 before it
+    g[40] = 2.9  # not
+    g[50] = np.nan
+    assert init_schemes.grad_spikes(g) == 2
 
 
 def test_init_schemes(tmp_path):
-    res, cfg, _ = run_quick("init_schemes", tmp_path, figures=FIGURES)
-    assert len(res["rows"]) == len(cfg["schemes"]) * len(cfg["lrs"]) * len(cfg["seeds"])
+    res, cfg, s = run_quick("init_schemes", tmp_path, figures=FIGURES)
+    lrs = res["compare_lrs"]
+    assert lrs and all(x <= cfg["max_compare_lr"] for x in lrs)
+    assert s["lr_grid"]["lrs"] == sorted(cfg["scan_lrs"])
+    assert lrs[0] == min(s["lr_grid"]["best_lr"], max(x for x in cfg["scan_lrs"] if x <= 1e-2))
+    assert len(res["rows"]) == len(cfg["arms"]) * len(lrs) * len(cfg["seeds"])
+    assert s["primary_metric"] == init_schemes.PRIMARY
+    assert len(s["remedies"]) == (len(cfg["arms"]) - 1) * len(lrs)
     for r in res["rows"]:
-        assert isinstance(r["check_ok"], bool) and math.isfinite(r["growth_init"])
-    assert set(res["losses"]) == {f"{sc}@{lr:g}" for sc in cfg["schemes"] for lr in cfg["lrs"]}
+        assert r["arm"] in init_schemes.ARMS and r["grad_spikes"] >= 0
+    assert set(res["losses"]) == {f"{r['arm']}@{r['lr']:g}@{r['seed']}" for r in res["rows"]}
