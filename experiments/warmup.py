@@ -2,8 +2,8 @@
 
 Wortsman et al. find that a longer warmup lowers the learning-rate sensitivity, mostly by
 letting the high learning rates train; Kalra & Barkeshli find that warmup's benefit is to
-let a network tolerate a larger peak LR. Same proxy as :mod:`experiments.lr_sensitivity`'s
-``base`` arm, weight decay off and **no gradient clipping** (clipping bounds the first
+let a network tolerate a larger peak LR. The proxy at d32x2, weight decay off and **no
+gradient clipping** (clipping bounds the first
 updates and would hide what warmup targets), one LR sweep per arm on a log grid from 1e-4
 to 1 that holds the no-warmup optimum strictly inside. Arms: no warmup, a **short** warmup
 (5 % of the run, 15 steps: the proxy's default, shorter than the 20-step horizon of Adam's
