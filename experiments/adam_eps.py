@@ -207,13 +207,11 @@ def summarize(cfg: Config, rows: list[dict]) -> tuple[dict, dict]:
                 name = f"{arm} @ lr {lr:g} ({lr / best:.3g}x best), {cond} ({label}), {size}"
                 comparisons[name] = {"remedy": at(PRIMARY, arm), "base": at(PRIMARY, BASE)}
                 effects[name] = {
-                    f"{k}_late": stats.paired_effect(
-                        at(f"{k}_late", arm), at(f"{k}_late", BASE), k, interval="t"
-                    )
+                    f"{k}_late": stats.paired_effect(at(f"{k}_late", arm), at(f"{k}_late", BASE), k)
                     for k in ("sign_frac", "bimodality", "eps_bound_frac")
                 }
             effects[f"{BASE} @ lr {lr:g}, {cond}: {cond} − x1"] = stats.paired_effect(
-                at(PRIMARY, BASE), at(PRIMARY, BASE, cond="x1"), PRIMARY, interval="t"
+                at(PRIMARY, BASE), at(PRIMARY, BASE, cond="x1"), PRIMARY
             )
     remedies = stats.family(PRIMARY_TEXT, comparisons)
     grid = {

@@ -14,6 +14,7 @@ import argparse
 import dataclasses
 import os
 import pathlib
+import shutil
 import sys
 import time
 import types
@@ -223,3 +224,24 @@ def start(
     cfg, args = parse_config(cls, argv, doc.splitlines()[0], name=name, out=RESULTS / folder)
     init_distributed(args)
     return Invocation(name, cfg, args, pathlib.Path(args.out), time.perf_counter())
+
+
+def fresh_workdir(workdir: str | None, out: pathlib.Path, *, name: str) -> pathlib.Path:
+    """A run's checkpoint folder: ``workdir`` (``--workdir``; it must not exist, since the
+    run would resume from it, and every process must see it), else ``<out>/ckpt``, emptied
+    (one process only)."""
+    import jax
+
+    if workdir is None:
+        if jax.process_count() > 1:
+            raise ValueError("a multi-process run needs --workdir, a folder every process sees")
+        path = out / "ckpt"
+        shutil.rmtree(path, ignore_errors=True)  # this run's own folder: start afresh
+        return path
+    from jax.experimental import multihost_utils
+
+    path = pathlib.Path(workdir)
+    if path.exists():
+        raise ValueError(f"--workdir {path} exists; the run would resume from it")
+    multihost_utils.sync_global_devices(f"{name}: workdir checked")
+    return path

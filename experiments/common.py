@@ -178,3 +178,11 @@ def fmt_ci(effect: dict[str, Any], digits: int = 3) -> str:
     """``mean [lo, hi]`` of a :func:`experiments.stats.paired_effect` result."""
     lo, hi = effect["ci95"]
     return f"{effect['effect_mean']:+.{digits}f} [{lo:+.{digits}f}, {hi:+.{digits}f}]"
+
+
+def fmt_interval(x: dict[str, Any] | None, digits: int = 3) -> str:
+    """``mean [lo, hi]`` of a :func:`experiments.stats.interval` result (``—`` for None)."""
+    if x is None:
+        return "—"
+    lo, hi = x["ci95"]
+    return f"{x['mean']:.{digits}f} [{lo:.{digits}f}, {hi:.{digits}f}]"

@@ -1,4 +1,4 @@
-"""The bad data, the repeated-n-gram filter and the compiled programs of
+"""The bad data, the repeated-n-gram filter, the compiled programs and the controller of
 :mod:`experiments.spike_recovery`.
 
 The bad data is OLMo 2's (Team OLMo, `2 OLMo 2 Furious <https://arxiv.org/abs/2501.00656>`_,
@@ -180,3 +180,56 @@ class Programs:
             b = self.put(held(i))
             vals.append(self.ce(params, b["inputs"], b["targets"]))
         return float(np.mean(jax.device_get(vals)))
+
+
+def source_for(cfg: Any, s: proxy.Setup, arm: str, seed: int):
+    """The batches arm ``arm`` trains on (a pure function of the index)."""
+    source = proxy.corpus_batches(s)
+    if arm == "clean":
+        return clean_batches(source)
+    corpus = proxy._corpus(s.corpus_bytes, s.corpus)
+    source = poisoned(source, cfg, seed, corpus)
+    return filtered(source) if arm == "filter" else source
+
+
+#: DivergenceDetector's default max_skip_streak, plus one.
+DETECTION_DELAY = 21
+
+
+def controller(cfg: Any, ckpt, triage) -> stabljax.RollbackController:
+    """The rollback arms' controller: PaLM's margins scaled to the run, the three detectors."""
+    return stabljax.RollbackController(
+        ckpt,
+        triage=triage,
+        save_every=cfg.save_every,
+        # Enough checkpoints that one lies `margin` before an onset even when the
+        # detection comes late (a 20-step skip streak, or 10 steps of patience).
+        keep=(cfg.margin + DETECTION_DELAY) // cfg.save_every + 2,
+        rollback_margin=cfg.margin,
+        extra_skip=cfg.bad_len,
+        detectors=[
+            stabljax.control.SpikeDetector(),
+            stabljax.control.DivergenceDetector(),
+            stabljax.control.SlowDivergenceDetector(),
+        ],
+    )
+
+
+def trajectory_counts(cfg: Any, arm: str, calls: list[dict], got: list[dict]):
+    """Over the final trajectory (the last call that trained each step): bad sequences
+    trained on, sequences given loss weight 0, bad sequences fed. ``calls`` are the step
+    calls in order (``step``, data ``index``), ``got`` their fetched metrics."""
+    final_call = {}  # the call that trained each step of the final trajectory
+    for k, c in enumerate(calls):
+        final_call[c["step"]] = k
+    bad_trained = kept = 0
+    for k in final_call.values():
+        m = got[k]
+        kept += float(m["kept"])
+        if not bool(m["skipped"]):
+            bad_trained += int(round(float(m["bad_trained"])))
+    final_idx = [calls[k]["index"] for k in final_call.values()]
+    per_batch = int(round(cfg.bad_frac * cfg.batch_size)) if arm != "clean" else 0
+    bad_in_traj = per_batch * sum(i in bad_window(cfg) for i in final_idx)
+    dropped = int(round(len(final_idx) * cfg.batch_size - kept))
+    return bad_trained, dropped, bad_in_traj

@@ -141,7 +141,7 @@ def summarize(cfg: Config, rows, grid, lrs) -> tuple[dict, dict]:
             name = f"{arm} @ lr {lr:g} ({lr / best:.3g}x best), {size}"
             comparisons[name] = {"remedy": col(arm, lr), "base": col(BASE, lr)}
             secondary[name] = {
-                k: stats.paired_effect(col(arm, lr, k), col(BASE, lr, k), k, interval="t")
+                k: stats.paired_effect(col(arm, lr, k), col(BASE, lr, k), k)
                 for k in ("bursts", "grad_spikes", "log_max_residual_rms")
             }
     remedies = stats.family(PRIMARY, comparisons)

@@ -5,8 +5,8 @@ with head dimension ≥ 32, AdamW (β = 0.9, 0.95, eps 1e-8), gradient clipping 
 1, a linear warmup over 5 % of the run then cosine decay (to 0 here, to 1e-5 there), and
 **independent** weight decay 1e-4: θ ← θ − s_t·(η·u_t + λ·θ), where s_t ∈ [0, 1] is the
 schedule and η the peak LR, so the decay does not scale with η (optax's ``adamw`` decays by
-η·s_t·λ; :func:`independent_adamw`). The LR grid is a log grid over 1e-4..1, which holds the
-base arm's best LR strictly inside (recorded per arm and size in ``lr_grid``).
+η·s_t·λ; :func:`experiments.proxy.independent_adamw`). The LR grid is a log grid over
+1e-4..1 that holds the base arm's best LR strictly inside (``lr_grid``, per arm and size).
 
 Four arms: ``base``, ``qk_norm`` (LayerNorm on queries and keys per head), ``z_loss``
 (1e-4·log²Z) and ``both``. One LR sweep per seed gives one value of the primary metric,
@@ -31,7 +31,6 @@ import dataclasses
 import pathlib
 
 import numpy as np
-import optax
 
 from experiments import cli, common, plots, proxy, stats
 from experiments.trainer import Trainer
@@ -50,6 +49,12 @@ ARMS = {
 }
 #: Head dimension at least this (Wortsman et al. keep it fixed at 64 while scaling width).
 MIN_HEAD_DIM = 32
+#: The figures against the LR: (row key, file, title, y label).
+VS_LR = (
+    ("final_loss", "loss_vs_lr", "final held-out loss after {steps} steps", "final held-out loss"),
+    ("late_max_attn_logit", "attn_logit_vs_lr", "max attention logit, last 10 % of steps", "logit"),
+    ("late_log_z", "log_z_vs_lr", "mean output log Z, last 10 % of steps", "log Z"),
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -95,39 +100,12 @@ def size_name(z: dict) -> str:
     return f"d{z['d_model']}x{z['n_layers']}h{z['n_heads']}"
 
 
-def independent_adamw(
-    learning_rate,
-    unit,
-    *,
-    b1: float = 0.9,
-    b2: float = 0.95,
-    eps: float = 1e-8,
-    weight_decay: float = 1e-4,
-    clip: float = 1.0,
-) -> optax.GradientTransformation:
-    """AdamW with Wortsman et al.'s independent weight decay.
-
-    θ ← θ − s_t·(η·u_t + λ·θ): ``unit`` is the schedule s_t (peak 1), ``learning_rate``
-    the peak η, ``weight_decay`` λ. The decay is added after the LR scaling, so it follows
-    the schedule but not η (optax's ``adamw`` would decay by η·s_t·λ). Global-norm
-    clipping at ``clip`` first (0: none).
-    """
-    parts = [optax.clip_by_global_norm(clip)] if clip > 0 else []
-    parts += [
-        optax.scale_by_adam(b1=b1, b2=b2, eps=eps),
-        optax.scale_by_learning_rate(lambda c: learning_rate * unit(c)),
-        # updates are already negated here: add −λ·s_t·θ
-        optax.add_decayed_weights(lambda c: -weight_decay * unit(c)),
-    ]
-    return optax.chain(*parts)
-
-
 def factory(s: proxy.Setup):
-    """``factory(learning_rate)``: :func:`independent_adamw` on the schedule of ``s``."""
+    """``factory(learning_rate)``: :func:`experiments.proxy.independent_adamw` on ``s``."""
     unit = proxy.unit_schedule(s)
 
     def make(learning_rate):
-        return independent_adamw(
+        return proxy.independent_adamw(
             learning_rate,
             unit,
             b1=s.b1,
@@ -182,10 +160,6 @@ def params_of(z: dict) -> int:
     return int(sum(x.size for x in jax.tree.leaves(p)))
 
 
-def _finite(rows) -> list[float]:
-    return stats.finite_or([r["final_loss"] for r in rows], [r["init_loss"] for r in rows])
-
-
 def sensitivity(rows, size, arm, seeds) -> list[float]:
     """The primary metric: one LR sensitivity per seed (that seed's sweep over the grid)."""
     out = []
@@ -197,16 +171,9 @@ def sensitivity(rows, size, arm, seeds) -> list[float]:
 
 def loss_per_seed(rows, size, arm, lr, seeds) -> list[float]:
     """Final loss per seed at one LR (a diverged run: its init loss)."""
-    out = []
-    for sd in seeds:
-        rr = [r for r in rows if (r["size"], r["arm"], r["lr"], r["seed"]) == (size, arm, lr, sd)]
-        out.append(_finite(rr)[0])
-    return out
-
-
-def grid_record(cfg: Config, rows, size, arm) -> dict:
-    return stats.lr_grid(
-        {lr: float(np.mean(loss_per_seed(rows, size, arm, lr, cfg.seeds))) for lr in cfg.lrs}
+    m = dict(size=size, arm=arm, lr=lr)
+    return stats.finite_or(
+        *(stats.per_seed(rows, k, seeds, **m) for k in ("final_loss", "init_loss"))
     )
 
 
@@ -219,7 +186,9 @@ def summarize(cfg: Config, rows: list[dict]) -> tuple[dict, dict]:
     sizes = [size_name(z) for z in cfg.sizes()]
     remedies_arms = [a for a in cfg.arms if a != "base"]
     grids = {
-        f"{size}/{arm}": grid_record(cfg, rows, size, arm) for size in sizes for arm in cfg.arms
+        f"{size}/{arm}": stats.grid_of(rows, size=size, arm=arm)
+        for size in sizes
+        for arm in cfg.arms
     }
     comparisons, secondary, effects = {}, {}, {}
     for size in sizes:
@@ -300,9 +269,8 @@ def tables(cfg: Config, rows: list[dict], summary: dict, effects: dict) -> str:
             for lr in cfg.lrs:
                 rr = [r for r in rows if (r["size"], r["arm"], r["lr"]) == (size, arm, lr)]
                 nf = sum(r["failed"] for r in rr)
-                row[f"lr {lr:g}"] = f"{np.mean(_finite(rr)):.3f}" + (
-                    f" ({nf} failed)" if nf else ""
-                )
+                v = np.mean(loss_per_seed(rows, size, arm, lr, cfg.seeds))
+                row[f"lr {lr:g}"] = f"{v:.3f}" + (f" ({nf} failed)" if nf else "")
             g = summary["lr_grid"][f"{size}/{arm}"]
             row["best LR"] = f"{g['best_lr']:g}" + ("" if g["best_strictly_inside"] else " (edge)")
             row["LR sensitivity [95% t-CI]"] = fmt(effects[size]["sensitivity"][arm])
@@ -360,39 +328,29 @@ def tables(cfg: Config, rows: list[dict], summary: dict, effects: dict) -> str:
 
 
 def figures(cfg: Config, rows: list[dict], summary: dict, curves: dict, out: pathlib.Path):
-    plots.metric_vs_lr(
-        rows,
-        y="final_loss",
-        group="arm",
-        panel="size",
-        fallback="init_loss",
-        path=out / "loss_vs_lr.png",
-        title=f"final held-out loss after {cfg.steps} steps",
-        ylabel="final held-out loss (nats/byte)",
-    )
+    for y, name, title, ylabel in VS_LR:
+        plots.metric_vs_lr(
+            rows,
+            y=y,
+            group="arm",
+            panel="size",
+            fallback="init_loss" if y == "final_loss" else None,
+            path=out / f"{name}.png",
+            title=title.format(steps=cfg.steps),
+            ylabel=ylabel,
+            logy=y == "late_max_attn_logit",
+        )
     plots.effects(
         summary["remedies"], path=out / "effects.png", title="LR sensitivity: remedy − base"
     )
-    plots.metric_vs_lr(
-        rows,
-        y="late_max_attn_logit",
-        group="arm",
-        panel="size",
-        path=out / "attn_logit_vs_lr.png",
-        title="max attention logit, last 10 % of steps",
-        ylabel="max attention logit",
-        logy=True,
+    plots.seed_dots(
+        {
+            size: {arm: sensitivity(rows, size, arm, cfg.seeds) for arm in cfg.arms}
+            for size in summary["sizes"]
+        },
+        path=out / "sensitivity.png",
+        ylabel="LR sensitivity (nats/byte)",
     )
-    plots.metric_vs_lr(
-        rows,
-        y="late_log_z",
-        group="arm",
-        panel="size",
-        path=out / "log_z_vs_lr.png",
-        title="mean output log Z, last 10 % of steps",
-        ylabel="log Z",
-    )
-    sensitivity_figure(cfg, summary, rows, out)
     size = summary["sizes"][-1]
     lr = max(cfg.lrs)
     panels = {}
@@ -412,40 +370,6 @@ def figures(cfg: Config, rows: list[dict], summary: dict, curves: dict, out: pat
         logy=True,
         x=np.arange(n) * every,
     )
-
-
-def sensitivity_figure(cfg: Config, summary: dict, rows: list[dict], out: pathlib.Path):
-    """Each arm's LR sensitivity per size: every seed as a dot, the mean with its 95 %
-    t-interval (categories side by side, not joined)."""
-    plt = plots.pyplot()
-    sizes = summary["sizes"]
-    fig, axes = plt.subplots(1, len(sizes), figsize=(4.6 * len(sizes), 3.6), squeeze=False)
-    for ax, size in zip(axes[0], sizes, strict=True):
-        for j, arm in enumerate(cfg.arms):
-            v = np.asarray(sensitivity(rows, size, arm, cfg.seeds))
-            ax.plot(
-                np.full(v.size, j) + np.linspace(-0.15, 0.15, v.size),
-                v,
-                ".",
-                color=f"C{j}",
-                alpha=0.5,
-            )
-            if v.size > 1:
-                lo, hi = stats.t_interval(v)
-                ax.errorbar(
-                    j + 0.3,
-                    v.mean(),
-                    yerr=[[v.mean() - lo], [hi - v.mean()]],
-                    fmt="o",
-                    color=f"C{j}",
-                    capsize=4,
-                )
-        ax.set_xticks(range(len(cfg.arms)))
-        ax.set_xticklabels(cfg.arms, fontsize=8)
-        ax.set_ylabel("LR sensitivity (nats/byte)")
-        plots.label(ax, f"{size}, {len(cfg.seeds)} seeds: dots, mean ± 95% t-CI")
-        ax.grid(alpha=0.3, axis="y")
-    plots.save_figure(fig, out / "sensitivity.png")
 
 
 def main(argv=None) -> dict:

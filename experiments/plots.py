@@ -298,3 +298,30 @@ def effects(remedies: dict[str, dict[str, Any]], *, path: pathlib.Path, title: s
     ax.set_title(title, fontsize=9)
     ax.grid(alpha=0.3, axis="x")
     save_figure(fig, path)
+
+
+def seed_dots(panels: dict[str, dict[str, Sequence[float]]], *, path: pathlib.Path, ylabel: str):
+    """One panel per key, one category per inner key: every seed a dot, the mean with its
+    95 % t-interval beside them (categories side by side, not joined by lines)."""
+    from experiments.stats import t_interval
+
+    plt = pyplot()
+    fig, axes = plt.subplots(1, len(panels), figsize=(4.6 * len(panels), 3.6), squeeze=False)
+    for ax, (pname, cats) in zip(axes[0], panels.items(), strict=True):
+        for j, values in enumerate(cats.values()):
+            v = np.asarray(values, dtype=float)
+            jitter = np.linspace(-0.15, 0.15, v.size)
+            ax.plot(j + jitter, v, ".", color=f"C{j}", alpha=0.5)
+            if v.size > 1:
+                lo, hi = t_interval(v)
+                m = float(v.mean())
+                ax.errorbar(
+                    j + 0.3, m, yerr=[[m - lo], [hi - m]], fmt="o", color=f"C{j}", capsize=4
+                )
+        ax.set_xticks(range(len(cats)))
+        ax.set_xticklabels(list(cats), fontsize=8)
+        ax.set_ylabel(ylabel)
+        n = max(len(v) for v in cats.values())
+        label(ax, f"{pname}, {n} seeds: dots, mean ± 95% t-CI")
+        ax.grid(alpha=0.3, axis="y")
+    save_figure(fig, path)

@@ -104,7 +104,7 @@ def _embedded_model(cfg, seed: int, embed: str):
 
     from flax import nnx
 
-    from stabljax.reference.nn import TransformerLM, _norm
+    from stabljax.reference.nn import TransformerLM, norm_layer
 
     if embed not in EMBEDS:
         raise ValueError(f"embed must be one of {EMBEDS}, got {embed!r}")
@@ -115,7 +115,7 @@ def _embedded_model(cfg, seed: int, embed: str):
     elif embed == "layernorm":
         if cfg.norm_placement != "pre":
             raise ValueError("embed='layernorm' needs a pre-LN model (post-LN norms them already)")
-        model.embed_norm = _norm(cfg, cfg.d_model, nnx.Rngs(seed))
+        model.embed_norm = norm_layer(cfg, cfg.d_model, nnx.Rngs(seed))
     return model
 
 
@@ -286,3 +286,32 @@ class SweepConfig(ModelSize):
             "eval_batches": 2 if self.steps < 20 else 8,
         }
         return super().setup(**{**shared, **overrides})
+
+
+def independent_adamw(
+    learning_rate,
+    unit,
+    *,
+    b1: float = 0.9,
+    b2: float = 0.95,
+    eps: float = 1e-8,
+    weight_decay: float = 1e-4,
+    clip: float = 1.0,
+):
+    """AdamW with Wortsman et al.'s independent weight decay.
+
+    θ ← θ − s_t·(η·u_t + λ·θ): ``unit`` is the schedule s_t (peak 1), ``learning_rate``
+    the peak η, ``weight_decay`` λ. The decay is added after the LR scaling, so it follows
+    the schedule but not η (optax's ``adamw`` would decay by η·s_t·λ). Global-norm
+    clipping at ``clip`` first (0: none).
+    """
+    import optax
+
+    parts = [optax.clip_by_global_norm(clip)] if clip > 0 else []
+    parts += [
+        optax.scale_by_adam(b1=b1, b2=b2, eps=eps),
+        optax.scale_by_learning_rate(lambda c: learning_rate * unit(c)),
+        # updates are already negated here: add −λ·s_t·θ
+        optax.add_decayed_weights(lambda c: -weight_decay * unit(c)),
+    ]
+    return optax.chain(*parts)

@@ -164,17 +164,6 @@ def run(cfg: Config, bar) -> tuple[list[dict], dict]:
     return rows, curves
 
 
-def lr_score(rows: list[dict], opt: str, arm: str = "none") -> dict[float, float]:
-    """Seed-mean final loss per LR of one optimizer and arm (a diverged run counts as its
-    loss at init)."""
-    out: dict[float, list[float]] = {}
-    for r in rows:
-        if (r["optimizer"], r["arm"]) == (opt, arm):
-            v = r["final_loss"] if np.isfinite(r["final_loss"]) else r["init_loss"]
-            out.setdefault(r["lr"], []).append(v)
-    return {lr: float(np.mean(v)) for lr, v in out.items()}
-
-
 def summarize(cfg: Config, rows: list[dict]) -> tuple[dict, dict]:
     """Paired effects per (optimizer, remedy, LR), Holm over the family; the summary.
 
@@ -200,13 +189,12 @@ def summarize(cfg: Config, rows: list[dict]) -> tuple[dict, dict]:
                         seeds_of("late_max_attn_logit", arm),
                         seeds_of("late_max_attn_logit", "none"),
                         "late_max_attn_logit",
-                        interval="t",
                     )
                 }
     remedies = stats.family(PRIMARY_TEXT, comparisons)
     for k, r in remedies.items():
         effects[k][PRIMARY] = r
-    grid = {opt: stats.lr_grid(lr_score(rows, opt)) for opt in cfg.optimizers}
+    grid = {opt: stats.grid_of(rows, optimizer=opt, arm="none") for opt in cfg.optimizers}
     top = [r for r in rows if r["arm"] == "none" and r["lr"] == max(cfg.lrs(r["optimizer"]))]
     reproduced = float(np.mean([r["late_max_attn_logit"] for r in top])) > cfg.tau
     summary = stats.summary(

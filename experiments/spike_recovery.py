@@ -1,11 +1,9 @@
 """The main job: which remedy recovers a run from bad data, attributed arm by arm.
 
-Trains the reference Transformer on the embedded corpus (Python's own sources) and, at
-fixed data indices, replaces a window of ``bad_len`` batches by OLMo 2's bad data:
-documents made of one short n-gram repeated over and over (Team OLMo, `2 OLMo 2 Furious
-<https://arxiv.org/abs/2501.00656>`_, 2024, found them behind loss and gradient-norm spikes;
-:mod:`experiments.faults`). Nothing is injected into the loss or the gradient: the spike on
-clean data that follows is the model's own response to training on that data.
+Trains the reference Transformer on the embedded corpus and replaces ``bad_len`` batches
+by OLMo 2's bad data, documents of one short n-gram repeated over and over (Team OLMo,
+`2 OLMo 2 Furious <https://arxiv.org/abs/2501.00656>`_, 2024: behind their loss spikes;
+:mod:`experiments.faults`). Nothing is injected into the loss or the gradient.
 
 Six arms per seed: ``clean`` (no bad data), ``unguarded`` (``clip_by_global_norm + adamw``),
 ``guards`` (``skip_nonfinite(skip_spikes(...))`` around it), ``rollback`` (the plain
@@ -16,13 +14,11 @@ loss weight 0). The controller's margins are PaLM's scaled to the run: restart a
 ``steps / 8`` steps before the onset (PaLM: ~100 steps) and skip past the detection by
 ``bad_len`` batches.
 
-Primary metric (:data:`PRIMARY`, declared before the run): the final held-out loss, a
-diverged run counted as its loss at init. Each remedy is compared with ``unguarded``, paired
-per seed (paired t-interval, exact sign-flip p, Holm over the 4 remedies). The learning rate
-is fixed (``lr``); a one-seed LR scan of the ``clean`` arm over 1e-4..1 (``scan_lrs``) says
-where it lies against the best LR. Also reported: the held-out loss right after the bad
-window (the spike on clean data), steps lost, batches skipped, rollbacks, guard skips, bad
-sequences trained on in the final trajectory, clean sequences the filter dropped.
+Primary metric (:data:`PRIMARY`, declared before the run): the final held-out loss (a
+diverged run: its loss at init), each remedy against ``unguarded`` paired per seed (t-interval,
+exact sign-flip p, Holm over the 4). The LR is fixed (``lr``); a one-seed ``clean`` scan
+over 1e-4..1 (``scan_lrs``) places it against the best LR. Also reported: the held-out loss
+right after the bad window, steps lost, skips, rollbacks, bad and clean sequences trained.
 
     python -m experiments.spike_recovery [--quick] [--steps 400] [--seeds 0 1 2] ...
 """
@@ -30,8 +26,6 @@ sequences trained on in the final trajectory, clean sequences the filter dropped
 from __future__ import annotations
 
 import dataclasses
-import pathlib
-import shutil
 import time
 
 import jax
@@ -47,7 +41,6 @@ ARMS = ("clean", "unguarded", "guards", "rollback", "both", "filter")
 REMEDIES = ("guards", "rollback", "both", "filter")
 #: The primary metric, declared before the run: lower is better.
 PRIMARY = "final held-out loss (nats/byte; diverged = loss at init)"
-DETECTION_DELAY = 21  # DivergenceDetector's default max_skip_streak, plus one
 TRIAGE_KEYS = ("verdict", "reason", "window", "culprits", "narrowed")
 
 
@@ -103,16 +96,6 @@ class Config(proxy.ModelSize):
         )
 
 
-def data_source(cfg: Config, s: proxy.Setup, arm: str, seed: int):
-    """The batches arm ``arm`` trains on (a pure function of the index)."""
-    source = proxy.corpus_batches(s)
-    if arm == "clean":
-        return faults.clean_batches(source)
-    corpus = proxy._corpus(s.corpus_bytes, s.corpus)
-    source = faults.poisoned(source, cfg, seed, corpus)
-    return faults.filtered(source) if arm == "filter" else source
-
-
 def run_arm(cfg: Config, progs: Programs, arm: str, seed: int, dirs: tuple, bar):
     workdir, report_dir = dirs
     s = cfg.setup(seed=seed)
@@ -122,7 +105,7 @@ def run_arm(cfg: Config, progs: Programs, arm: str, seed: int, dirs: tuple, bar)
     init_loss = progs.evaluate(s, params)
     state = stabljax.TrainState.create(params, progs.optimizers[kind])
     step = progs.steps[kind]
-    source = data_source(cfg, s, arm, seed)
+    source = faults.source_for(cfg, s, arm, seed)
     calls: list[dict] = []  # one per step call: data index, step it trained, metrics
     fed: list[int] = []
 
@@ -139,21 +122,7 @@ def run_arm(cfg: Config, progs: Programs, arm: str, seed: int, dirs: tuple, bar)
         triage = arm == "both" and stabljax.control.TriageConfig(
             step_fn=step, batch_fn=lambda i: progs.put(source(i))
         )
-        ctl = stabljax.RollbackController(
-            ckpt,
-            triage=triage,
-            save_every=cfg.save_every,
-            # Enough checkpoints that one lies `margin` before an onset even when the
-            # detection comes late (a 20-step skip streak, or 10 steps of patience).
-            keep=(cfg.margin + DETECTION_DELAY) // cfg.save_every + 2,
-            rollback_margin=cfg.margin,
-            extra_skip=cfg.bad_len,
-            detectors=[
-                stabljax.control.SpikeDetector(),
-                stabljax.control.DivergenceDetector(),
-                stabljax.control.SlowDivergenceDetector(),
-            ],
-        )
+        ctl = faults.controller(cfg, ckpt, triage)
         expected: list[int] = []
 
         def tick(state, batch):
@@ -213,19 +182,7 @@ def run_arm(cfg: Config, progs: Programs, arm: str, seed: int, dirs: tuple, bar)
             heldout_after_window=common.finite_or_nan(after),
         )
     got = jax.device_get([c["m"] for c in calls])
-    final_call = {}  # the call that trained each step of the final trajectory
-    for k, c in enumerate(calls):
-        final_call[c["step"]] = k
-    bad_trained = kept = 0
-    for k in final_call.values():
-        m = got[k]
-        kept += float(m["kept"])
-        if not bool(m["skipped"]):
-            bad_trained += int(round(float(m["bad_trained"])))
-    final_idx = [calls[k]["index"] for k in final_call.values()]
-    per_batch = int(round(cfg.bad_frac * cfg.batch_size)) if arm != "clean" else 0
-    bad_in_traj = per_batch * sum(i in bad_window(cfg) for i in final_idx)
-    dropped = int(round(len(final_idx) * cfg.batch_size - kept))
+    bad_trained, dropped, bad_in_traj = faults.trajectory_counts(cfg, arm, calls, got)
     losses = np.array([float(m["loss"]) for m in got])
     final = progs.evaluate(s, state.params)
     out.update(
@@ -242,31 +199,6 @@ def run_arm(cfg: Config, progs: Programs, arm: str, seed: int, dirs: tuple, bar)
         bad_calls=[k for k, c in enumerate(calls) if c["index"] in bad_window(cfg)],
     )
     return out
-
-
-def lr_scan(cfg: Config, bar) -> list[dict]:
-    """The ``clean`` arm over ``scan_lrs`` (``scan_seeds``), one vmapped program."""
-    s = cfg.setup()
-    specs = [{"seed": sd, "learning_rate": lr} for lr in cfg.scan_lrs for sd in cfg.scan_seeds]
-    r = Trainer(s).run_many(specs, progress=bar.update)
-    return [r.outcome(i) for i in range(len(specs))]
-
-
-def make_workdir(cfg: Config, out: pathlib.Path) -> pathlib.Path:
-    """The controller arms' checkpoint folder: ``--workdir``, else ``<out>/ckpt`` (emptied)."""
-    if cfg.workdir is None:
-        if jax.process_count() > 1:
-            raise ValueError("a multi-process run needs --workdir, a folder every process sees")
-        workdir = out / "ckpt"
-        shutil.rmtree(workdir, ignore_errors=True)  # this run's own folder: start afresh
-        return workdir
-    from jax.experimental import multihost_utils
-
-    workdir = pathlib.Path(cfg.workdir)
-    if workdir.exists():
-        raise ValueError(f"--workdir {workdir} exists; the run would resume from it")
-    multihost_utils.sync_global_devices("spike_recovery: workdir checked")
-    return workdir
 
 
 def summarize(cfg: Config, runs: list[dict], scan: list[dict]) -> tuple[dict, dict]:
@@ -303,25 +235,18 @@ def summarize(cfg: Config, runs: list[dict], scan: list[dict]) -> tuple[dict, di
         {f"{arm} {regime}": {"remedy": col(arm, "final_loss"), "base": base} for arm in REMEDIES},
     )
     # The failure: the bad data raises the unguarded run's final loss over the clean run's.
-    failure = stats.paired_effect(base, col("clean", "final_loss"), PRIMARY, interval="t")
+    failure = stats.paired_effect(base, col("clean", "final_loss"), PRIMARY)
     spike = stats.paired_effect(
         col("unguarded", "heldout_after_window"),
         col("clean", "heldout_after_window"),
         "held-out loss right after the bad window",
-        interval="t",
     )
     vs_clean = {
-        arm: stats.paired_effect(
-            col(arm, "final_loss"), col("clean", "final_loss"), PRIMARY, interval="t"
-        )
+        arm: stats.paired_effect(col(arm, "final_loss"), col("clean", "final_loss"), PRIMARY)
         for arm in REMEDIES
     }
     reproduced = bool(failure["ci95"][0] > 0)
-    score: dict[float, list[float]] = {}
-    for r in scan:
-        v = r["final_loss"] if np.isfinite(r["final_loss"]) else r["init_loss"]
-        score.setdefault(r["lr"], []).append(v)
-    grid = stats.lr_grid({lr: float(np.mean(v)) for lr, v in score.items()})
+    grid = stats.grid_of(scan)
     grid["arm"] = f"clean, {len(cfg.scan_seeds)} seed(s), {cfg.steps} steps, {size}"
     grid["main_lr"] = cfg.lr
     grid["main_lr_over_best"] = cfg.lr / grid["best_lr"]
@@ -368,18 +293,15 @@ def summarize(cfg: Config, runs: list[dict], scan: list[dict]) -> tuple[dict, di
 
 
 def table(cfg: Config, res: dict, summary: dict) -> str:
-    def ci(x, nd=3):
-        if x is None:
-            return "—"
-        return f"{x['mean']:.{nd}f} [{x['ci95'][0]:.{nd}f}, {x['ci95'][1]:.{nd}f}]"
-
     rows = []
     for arm, a in res["arms"].items():
         rows.append(
             {
                 "arm": arm,
-                "final held-out loss [95% t-CI]": ci(a["final_loss"]),
-                "held-out loss after the bad window": ci(a["heldout_after_window"]),
+                "final held-out loss [95% t-CI]": common.fmt_interval(a["final_loss"]),
+                "held-out loss after the bad window": common.fmt_interval(
+                    a["heldout_after_window"]
+                ),
                 "diverged": a["diverged"],
                 "rollbacks": a["rollbacks"],
                 "batches skipped": a["batches_skipped"],
@@ -420,7 +342,7 @@ def table(cfg: Config, res: dict, summary: dict) -> str:
 def main(argv=None) -> dict:
     ex = cli.start(Config, argv, __doc__, name="spike_recovery")
     cfg, out = ex.cfg, ex.out
-    workdir = make_workdir(cfg, out)
+    workdir = cli.fresh_workdir(cfg.workdir, out, name="spike_recovery")
     progs = Programs(cfg)
     dirs = (workdir, out / "reports")
     total = (len(ARMS) * len(cfg.seeds) + len(cfg.scan_lrs) * len(cfg.scan_seeds)) * cfg.steps
@@ -428,7 +350,7 @@ def main(argv=None) -> dict:
         total,
         lambda bar: (
             [run_arm(cfg, progs, arm, sd, dirs, bar) for arm in ARMS for sd in cfg.seeds],
-            lr_scan(cfg, bar),
+            Trainer(cfg.setup()).scan(cfg.scan_lrs, cfg.scan_seeds, progress=bar.update),
         ),
     )
     summary, res = summarize(cfg, runs, scan)

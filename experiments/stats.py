@@ -15,35 +15,12 @@ from typing import Any
 
 import numpy as np
 
-N_RESAMPLES = 10_000
-BOOTSTRAP_SEED = 0
 BURST_FACTOR = 1.5
-
-
-def bootstrap_ci(
-    x: Sequence[float], *, n: int = N_RESAMPLES, seed: int = BOOTSTRAP_SEED, level: float = 0.95
-) -> tuple[float, float]:
-    """Percentile bootstrap interval of the mean of ``x`` (resampling its entries).
-
-    Non-finite entries make the interval ``(nan, nan)``; one entry gives ``(x, x)``.
-    """
-    v = np.asarray(x, dtype=float)
-    if v.ndim != 1 or v.size == 0:
-        raise ValueError(f"x must be a non-empty 1-D sequence, got shape {v.shape}")
-    if not 0 < level < 1:
-        raise ValueError(f"level must be in (0, 1), got {level}")
-    if not np.all(np.isfinite(v)):
-        return float("nan"), float("nan")
-    rng = np.random.default_rng(seed)
-    means = v[rng.integers(0, v.size, size=(n, v.size))].mean(axis=1)
-    a = (1 - level) / 2
-    lo, hi = np.quantile(means, [a, 1 - a])
-    return float(lo), float(hi)
 
 
 def per_seed(rows: Sequence[dict[str, Any]], key: str, seeds: Sequence[int], **match: Any):
     """``row[key]`` summed per seed over the rows whose fields equal ``match``, in ``seeds``
-    order: one value per seed, for :func:`paired_effect` and :func:`moved`."""
+    order: one value per seed, for :func:`paired_effect` and :func:`family`."""
     return [
         float(
             np.sum(
@@ -58,29 +35,19 @@ def per_seed(rows: Sequence[dict[str, Any]], key: str, seeds: Sequence[int], **m
     ]
 
 
-def paired_effect(
-    remedy: Sequence[float], base: Sequence[float], metric: str, *, interval: str = "bootstrap"
-) -> dict[str, Any]:
-    """``remedy − base`` per seed (same seeds, same order), its mean and 95 % interval.
-
-    ``interval="bootstrap"``: the percentile bootstrap; ``"t"``: issue 29's paired
-    t-interval, with the exact sign-flip p-value as ``p_sign_flip``.
-    """
+def paired_effect(remedy: Sequence[float], base: Sequence[float], metric: str) -> dict[str, Any]:
+    """``remedy − base`` per seed (same seeds, same order): its mean, 95 % paired t-interval
+    and exact sign-flip p (``p_sign_flip``)."""
     r, b = np.asarray(remedy, dtype=float), np.asarray(base, dtype=float)
     if r.shape != b.shape or r.ndim != 1:
         raise ValueError(f"remedy and base must be 1-D of one length, got {r.shape}, {b.shape}")
     d = r - b
-    if interval == "bootstrap":
-        (lo, hi), extra = bootstrap_ci(d), {}
-    elif interval == "t":
-        (lo, hi), extra = t_interval(d), {"interval": "paired t", "p_sign_flip": sign_flip_p(d)}
-    else:
-        raise ValueError(f"interval must be 'bootstrap' or 't', got {interval!r}")
     return {
         "metric": metric,
         "effect_mean": float(np.mean(d)),
-        "ci95": [lo, hi],
-        **extra,
+        "ci95": list(t_interval(d)),
+        "interval": "paired t",
+        "p_sign_flip": sign_flip_p(d),
         "per_seed": d.tolist(),
     }
 
@@ -89,35 +56,6 @@ def below_zero(effect: dict[str, Any]) -> bool:
     """The effect's interval lies entirely below 0 (the remedy lowered the metric)."""
     hi = effect["ci95"][1]
     return bool(math.isfinite(hi) and hi < 0)
-
-
-def moved(remedy: Sequence[float], base: Sequence[float], *, direction: int = -1) -> dict:
-    """Whether a mechanism quantity moved: its paired interval excludes 0 on ``direction``'s
-    side (-1: the remedy lowers it, +1: raises it). Returns the effect with ``moved``."""
-    if direction not in (-1, 1):
-        raise ValueError(f"direction must be -1 or 1, got {direction}")
-    e = paired_effect(remedy, base, "mechanism")
-    lo, hi = e["ci95"]
-    e["moved"] = bool(hi < 0) if direction < 0 else bool(lo > 0)
-    return e
-
-
-def remedy(
-    metric: str, effect: dict[str, Any], mechanism: dict[str, Any], mechanism_metric: str
-) -> dict[str, Any]:
-    """One ``summary["remedies"]`` entry: the effect, its interval and the mechanism."""
-    return {
-        "metric": metric,
-        "effect_mean": effect["effect_mean"],
-        "ci95": effect["ci95"],
-        "mechanism_moved": bool(mechanism["moved"]),
-        "mechanism": {
-            "metric": mechanism_metric,
-            "effect_mean": mechanism["effect_mean"],
-            "ci95": mechanism["ci95"],
-        },
-        "claim_met": below_zero(effect) and bool(mechanism["moved"]),
-    }
 
 
 def summary(
@@ -196,10 +134,7 @@ def family(
     """
     if not comparisons:
         return {}
-    effects = {
-        k: paired_effect(c["remedy"], c["base"], metric, interval="t")
-        for k, c in comparisons.items()
-    }
+    effects = {k: paired_effect(c["remedy"], c["base"], metric) for k, c in comparisons.items()}
     adjusted = holm([e["p_sign_flip"] for e in effects.values()])
     out = {}
     for (k, c), e, p_adj in zip(comparisons.items(), effects.values(), adjusted, strict=True):
@@ -217,7 +152,7 @@ def family(
             direction = mech.get("direction", -1)
             if direction not in (-1, 1):
                 raise ValueError(f"{k}: mechanism direction must be -1 or 1, got {direction}")
-            m = paired_effect(mech["remedy"], mech["base"], mech["metric"], interval="t")
+            m = paired_effect(mech["remedy"], mech["base"], mech["metric"])
             lo, hi = m["ci95"]
             entry["mechanism_moved"] = bool(hi < 0) if direction < 0 else bool(lo > 0)
             entry["mechanism"] = {
@@ -251,6 +186,17 @@ def lr_grid(score: dict[float, float]) -> dict[str, Any]:
         "spans_1e-4_to_1": bool(lrs[0] <= 1e-4 * (1 + 1e-9) and lrs[-1] >= 1 - 1e-9),
         "score": [vals[x] for x in lrs],
     }
+
+
+def grid_of(rows: Sequence[dict[str, Any]], key: str = "final_loss", **match: Any) -> dict:
+    """:func:`lr_grid` of the rows whose fields equal ``match``: the seed mean of ``key``
+    per ``lr``, a non-finite value counted as the row's ``init_loss``."""
+    score: dict[float, list[float]] = {}
+    for r in rows:
+        if all(r[k] == v for k, v in match.items()):
+            v = r[key] if math.isfinite(r[key]) else r["init_loss"]
+            score.setdefault(float(r["lr"]), []).append(float(v))
+    return lr_grid({lr: float(np.mean(v)) for lr, v in score.items()})
 
 
 def finite_or(values: Sequence[float], fallback: Sequence[float]) -> list[float]:

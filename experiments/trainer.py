@@ -196,6 +196,12 @@ class Trainer:
             jax.jit(jax.vmap(held_out), compiler_options=opts),
         )
 
+    def scan(self, lrs, seeds, *, progress=None) -> list[dict[str, Any]]:
+        """One arm over ``lrs`` x ``seeds`` in one vmapped program: each run's outcome."""
+        specs = [{"seed": sd, "learning_rate": lr} for lr in lrs for sd in seeds]
+        r = self.run_many(specs, progress=progress)
+        return [r.outcome(i) for i in range(len(specs))]
+
     def run_many(
         self,
         runs: Sequence[dict[str, Any]],

@@ -157,7 +157,7 @@ def summarize(cfg: Config, rows: list[dict]) -> tuple[dict, dict]:
                 **(
                     {
                         "vs_no_warmup": stats.paired_effect(
-                            sensitivity(w), base_sens, "LR sensitivity", interval="t"
+                            sensitivity(w), base_sens, "LR sensitivity"
                         )
                     }
                     if w != base_w

@@ -7,7 +7,7 @@ import pytest
 from experiment_runs import run_quick
 
 from experiments import lr_sensitivity as ls
-from experiments import stats
+from experiments import proxy, stats
 
 FIGURES = (
     "loss_vs_lr.png",
@@ -24,7 +24,7 @@ def _one_step(lr, wd, s=0.5, clip=0.0):
     is sign(g))."""
     theta = {"w": jnp.array([1.0, -2.0])}
     g = {"w": jnp.array([0.3, -0.1])}
-    tx = ls.independent_adamw(lr, lambda c: s, eps=0.0, weight_decay=wd, clip=clip)
+    tx = proxy.independent_adamw(lr, lambda c: s, eps=0.0, weight_decay=wd, clip=clip)
     u, _ = tx.update(g, tx.init(theta), theta)
     return np.asarray(optax.apply_updates(theta, u)["w"])
 

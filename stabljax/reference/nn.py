@@ -41,7 +41,7 @@ from stabljax.init.plan import ArchSpec, InitPlan, init_plan
 from stabljax.metrics import MAX_ATTN_LOGIT, MAX_ATTN_LOGITS, RESIDUAL_RMS
 from stabljax.optim.qk_clip import QKHeads, QKLayer
 
-__all__ = ("TransformerConfig", "TransformerLM")
+__all__ = ("TransformerConfig", "TransformerLM", "norm_layer")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -128,7 +128,8 @@ def _concat_init(inits: Sequence[Callable[..., jax.Array]], sizes: Sequence[int]
     return init
 
 
-def _norm(config: TransformerConfig, features: int, rngs: nnx.Rngs) -> nnx.Module:
+def norm_layer(config: TransformerConfig, features: int, rngs: nnx.Rngs) -> nnx.Module:
+    """The model's norm (``config.norm``: LayerNorm or RMSNorm) over ``features``."""
     common = dict(
         epsilon=config.norm_eps, dtype=config.dtype, param_dtype=config.param_dtype, rngs=rngs
     )
@@ -162,8 +163,8 @@ class Attention(nnx.Module):
         self.qkv = nnx.Linear(d, 3 * d, kernel_init=qkv_init, **common)
         self.out = nnx.Linear(d, d, kernel_init=plan.initializer("attn_out", layer), **common)
         if config.qk_norm:
-            self.q_norm = _norm(config, self.head_dim, rngs)
-            self.k_norm = _norm(config, self.head_dim, rngs)
+            self.q_norm = norm_layer(config, self.head_dim, rngs)
+            self.k_norm = norm_layer(config, self.head_dim, rngs)
         else:
             self.q_norm = nnx.data(None)
             self.k_norm = nnx.data(None)
@@ -210,9 +211,9 @@ class Block(nnx.Module):
     def __init__(self, config: TransformerConfig, plan: InitPlan, layer: int, *, rngs: nnx.Rngs):
         self.post = config.norm_placement == "post"
         self.alpha = float(plan.residual_alpha)
-        self.norm1 = _norm(config, config.d_model, rngs)
+        self.norm1 = norm_layer(config, config.d_model, rngs)
         self.attn = Attention(config, plan, layer, rngs=rngs)
-        self.norm2 = _norm(config, config.d_model, rngs)
+        self.norm2 = norm_layer(config, config.d_model, rngs)
         self.mlp = MLP(config, plan, layer, rngs=rngs)
 
     def __call__(self, x: jax.Array) -> tuple[jax.Array, jax.Array]:
@@ -289,13 +290,13 @@ class TransformerLM(nnx.Module):
             plan.initializer("pos_embed")(rngs.params(), (config.max_len, d), pdt)
         )
         self.embed_norm = (
-            _norm(config, d, rngs) if config.norm_placement == "post" else nnx.data(None)
+            norm_layer(config, d, rngs) if config.norm_placement == "post" else nnx.data(None)
         )
         self.blocks = nnx.List(
             [Block(config, plan, layer, rngs=rngs) for layer in range(config.n_layers)]
         )
         self.final_norm = (
-            _norm(config, d, rngs) if config.norm_placement == "pre" else nnx.data(None)
+            norm_layer(config, d, rngs) if config.norm_placement == "pre" else nnx.data(None)
         )
         if config.tie_embeddings:
             self.unembed = nnx.data(None)
