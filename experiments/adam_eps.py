@@ -158,11 +158,6 @@ def best_lr(cfg: Config, rows: list[dict], arm: str = BASE, cond: str = "x1") ->
     return min(cfg.lrs, key=score)
 
 
-def compared_lrs(cfg: Config, best: float) -> list[float]:
-    """The grid LRs from 1x to 10x ``best``."""
-    return [lr for lr in cfg.lrs if best * (1 - 1e-9) <= lr <= 10 * best * (1 + 1e-9)]
-
-
 def run(cfg: Config, bar) -> tuple[list[dict], dict]:
     rows, curves = [], {}
     s = cfg.setup(clip=0.0)
@@ -176,7 +171,7 @@ def run(cfg: Config, bar) -> tuple[list[dict], dict]:
         r = trainers[arm].run_many(natural, progress=bar.update)
         rows += _rows(cfg, arm, r, n_params, "x1")
         curves[(arm, "x1")] = (r.specs, {k: r.metrics[k] for k in ("loss", *MECHANISM)})
-    lrs = compared_lrs(cfg, best_lr(cfg, rows))
+    lrs = stats.lrs_from_best(cfg.lrs, best_lr(cfg, rows))
     stress = f"x{cfg.stress_scale:g}"
     specs = [
         {"seed": sd, "learning_rate": lr, "grad_scale": cfg.stress_scale}
@@ -193,7 +188,7 @@ def run(cfg: Config, bar) -> tuple[list[dict], dict]:
 
 def summarize(cfg: Config, rows: list[dict]) -> tuple[dict, dict]:
     best = best_lr(cfg, rows)
-    lrs = compared_lrs(cfg, best)
+    lrs = stats.lrs_from_best(cfg.lrs, best)
     size = f"d{cfg.d_model}x{cfg.n_layers}"
     comparisons, effects = {}, {}
     for cond in conditions(cfg):
@@ -293,17 +288,7 @@ def tables(cfg: Config, rows: list[dict], summary: dict) -> str:
                         "√v̂ < eps (late)": f"{np.mean([r['eps_bound_frac_late'] for r in rr]):.2g}",
                     }
                 )
-    e = [
-        {
-            "comparison": k,
-            "Δ primary [95% t-CI]": f"{v['effect_mean']:+.3f} [{v['ci95'][0]:+.3f}, "
-            f"{v['ci95'][1]:+.3f}]",
-            "p (sign-flip)": f"{v['p_sign_flip']:.4f}",
-            "p (Holm)": f"{v['p_holm']:.4f}",
-            "claim met": "yes" if v["claim_met"] else "no",
-        }
-        for k, v in summary["remedies"].items()
-    ]
+    e = common.family_rows(summary["remedies"], "Δ primary [95% t-CI]")
     g = summary["lr_grid"]
     head = (
         f"Seed means over {len(cfg.seeds)} seeds, {cfg.steps} steps, d{cfg.d_model}x"

@@ -134,19 +134,6 @@ def run(cfg: Config, bar) -> tuple[list[dict], dict]:
     return rows, curves
 
 
-def primary(rows: list[dict], seeds, **match) -> list[float]:
-    """The primary metric per seed of the rows matching ``match``; diverged = init loss."""
-    return stats.finite_or(
-        stats.per_seed(rows, PRIMARY, seeds, **match),
-        stats.per_seed(rows, "init_loss", seeds, **match),
-    )
-
-
-def compared_lrs(lrs, best: float) -> list[float]:
-    """The grid's LRs from ``best`` to :data:`SPAN` × ``best`` (both included)."""
-    return [lr for lr in sorted(lrs) if best * (1 - 1e-9) <= lr <= SPAN * best * (1 + 1e-9)]
-
-
 def pairs(arms) -> list[tuple[str, str]]:
     """The family's (arm, base) pairs: each clipper against ``none``, ZClip against the
     fixed clip."""
@@ -158,24 +145,21 @@ def pairs(arms) -> list[tuple[str, str]]:
 
 def summarize(cfg: Config, rows: list[dict]) -> tuple[dict, dict]:
     size = f"d{cfg.d_model}x{cfg.n_layers}"
-    grid = {
-        a: stats.lr_grid(
-            {lr: float(np.mean(primary(rows, cfg.seeds, arm=a, lr=lr))) for lr in cfg.lrs}
-        )
-        for a in cfg.arms
-    }
+    grid = {a: stats.grid_of(rows, arm=a) for a in cfg.arms}
     best = grid["none"]["best_lr"]
-    at = compared_lrs(cfg.lrs, best)
+    at = stats.lrs_from_best(cfg.lrs, best, SPAN)
     comparisons = {}
     for a, b in pairs(cfg.arms):
         for lr in at:
             comparisons[f"{a} vs {b} @ lr {lr:g} ({lr / best:.3g}x best), {size}"] = {
-                "remedy": primary(rows, cfg.seeds, arm=a, lr=lr),
-                "base": primary(rows, cfg.seeds, arm=b, lr=lr),
+                "remedy": stats.final_per_seed(rows, cfg.seeds, arm=a, lr=lr),
+                "base": stats.final_per_seed(rows, cfg.seeds, arm=b, lr=lr),
             }
     remedies = stats.family(PRIMARY_TEXT, comparisons)
     effects = {"best_lr_none": best, "compared_lrs": at}
-    base_at = [float(np.mean(primary(rows, cfg.seeds, arm="none", lr=lr))) for lr in at]
+    base_at = [
+        float(np.mean(stats.final_per_seed(rows, cfg.seeds, arm="none", lr=lr))) for lr in at
+    ]
     top = [r for r in rows if r["arm"] == "none" and r["lr"] == max(at)]
     reproduced = len(at) > 1 and base_at[-1] > base_at[0]
     met = [k for k, r in remedies.items() if r["claim_met"]]
@@ -213,23 +197,14 @@ def tables(cfg: Config, rows: list[dict], summary: dict) -> str:
             row = {"arm": a}
             for lr in cfg.lrs:
                 if fallback:
-                    v = primary(rows, cfg.seeds, arm=a, lr=lr)
+                    v = stats.final_per_seed(rows, cfg.seeds, arm=a, lr=lr)
                 else:
                     v = [r[key] for r in rows if (r["arm"], r["lr"]) == (a, lr)]
                 row[f"lr {lr:g}"] = f"{np.mean(v):{spec}}"
             t.append(row)
         return t
 
-    e = [
-        {
-            "comparison": k,
-            "Δ final loss [95% t-CI]": fmt(v["effect_mean"], v["ci95"], "+.3f"),
-            "p (sign-flip)": f"{v['p_sign_flip']:.4f}",
-            "p (Holm)": f"{v['p_holm']:.4f}",
-            "claim met": "yes" if v["claim_met"] else "no",
-        }
-        for k, v in summary["remedies"].items()
-    ]
+    e = common.family_rows(summary["remedies"], "Δ final loss [95% t-CI]")
     grid = "; ".join(f"{k}: best LR {g['best_lr']:g}" for k, g in summary["lr_grid"].items())
     n = len(cfg.seeds)
     return common.captioned_tables(

@@ -186,3 +186,18 @@ def fmt_interval(x: dict[str, Any] | None, digits: int = 3) -> str:
         return "—"
     lo, hi = x["ci95"]
     return f"{x['mean']:.{digits}f} [{lo:.{digits}f}, {hi:.{digits}f}]"
+
+
+def family_rows(remedies: dict[str, dict[str, Any]], label: str) -> list[dict[str, str]]:
+    """One table row per comparison of a :func:`experiments.stats.family`: the effect with its
+    95 % t-interval under ``label``, the sign-flip and Holm p, whether the claim is met."""
+    return [
+        {
+            "comparison": k,
+            label: fmt_ci(v),
+            "p (sign-flip)": f"{v['p_sign_flip']:.4f}",
+            "p (Holm)": f"{v['p_holm']:.4f}",
+            "claim met": "yes" if v["claim_met"] else "no",
+        }
+        for k, v in remedies.items()
+    ]

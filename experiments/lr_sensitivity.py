@@ -169,19 +169,6 @@ def sensitivity(rows, size, arm, seeds) -> list[float]:
     return out
 
 
-def loss_per_seed(rows, size, arm, lr, seeds) -> list[float]:
-    """Final loss per seed at one LR (a diverged run: its init loss)."""
-    m = dict(size=size, arm=arm, lr=lr)
-    return stats.finite_or(
-        *(stats.per_seed(rows, k, seeds, **m) for k in ("final_loss", "init_loss"))
-    )
-
-
-def top_lrs(cfg: Config, best: float) -> list[float]:
-    """The grid's LRs from 1x to ``top_factor`` x the best LR."""
-    return [lr for lr in sorted(cfg.lrs) if best * (1 - 1e-9) <= lr <= cfg.top_factor * best]
-
-
 def summarize(cfg: Config, rows: list[dict]) -> tuple[dict, dict]:
     sizes = [size_name(z) for z in cfg.sizes()]
     remedies_arms = [a for a in cfg.arms if a != "base"]
@@ -199,17 +186,17 @@ def summarize(cfg: Config, rows: list[dict]) -> tuple[dict, dict]:
                 a: stats.interval(sensitivity(rows, size, a, cfg.seeds)) for a in cfg.arms
             },
             "base_best_lr": best,
-            "lrs_1_to_10x_best": top_lrs(cfg, best),
+            "lrs_1_to_10x_best": stats.lrs_from_best(cfg.lrs, best, cfg.top_factor),
         }
         for arm in remedies_arms:
             comparisons[f"{arm} vs base, {size}"] = {
                 "remedy": sensitivity(rows, size, arm, cfg.seeds),
                 "base": base,
             }
-            for lr in top_lrs(cfg, best):
+            for lr in stats.lrs_from_best(cfg.lrs, best, cfg.top_factor):
                 secondary[f"{arm} @ lr {lr:g} ({lr / best:.3g}x best), {size}"] = {
-                    "remedy": loss_per_seed(rows, size, arm, lr, cfg.seeds),
-                    "base": loss_per_seed(rows, size, "base", lr, cfg.seeds),
+                    "remedy": stats.final_per_seed(rows, cfg.seeds, size=size, arm=arm, lr=lr),
+                    "base": stats.final_per_seed(rows, cfg.seeds, size=size, arm="base", lr=lr),
                 }
     remedies = stats.family(PRIMARY_TEXT, comparisons)
     second = stats.family(
@@ -221,8 +208,8 @@ def summarize(cfg: Config, rows: list[dict]) -> tuple[dict, dict]:
     for size in sizes:
         best = grids[f"{size}/base"]["best_lr"]
         d = np.subtract(
-            loss_per_seed(rows, size, "base", top, cfg.seeds),
-            loss_per_seed(rows, size, "base", best, cfg.seeds),
+            stats.final_per_seed(rows, cfg.seeds, size=size, arm="base", lr=top),
+            stats.final_per_seed(rows, cfg.seeds, size=size, arm="base", lr=best),
         )
         degrade[size] = stats.interval(d) | {"top_lr": top, "best_lr": best}
     reproduced = all(v["ci95"][0] > 0 for v in degrade.values())
@@ -269,7 +256,7 @@ def tables(cfg: Config, rows: list[dict], summary: dict, effects: dict) -> str:
             for lr in cfg.lrs:
                 rr = [r for r in rows if (r["size"], r["arm"], r["lr"]) == (size, arm, lr)]
                 nf = sum(r["failed"] for r in rr)
-                v = np.mean(loss_per_seed(rows, size, arm, lr, cfg.seeds))
+                v = np.mean(stats.final_per_seed(rows, cfg.seeds, size=size, arm=arm, lr=lr))
                 row[f"lr {lr:g}"] = f"{v:.3f}" + (f" ({nf} failed)" if nf else "")
             g = summary["lr_grid"][f"{size}/{arm}"]
             row["best LR"] = f"{g['best_lr']:g}" + ("" if g["best_strictly_inside"] else " (edge)")
@@ -287,16 +274,7 @@ def tables(cfg: Config, rows: list[dict], summary: dict, effects: dict) -> str:
                     rr = [r for r in rows if (r["size"], r["arm"], r["lr"]) == (size, arm, lr)]
                     row[f"lr {lr:g}"] = f"{np.nanmean([r[key] for r in rr]):.3g}"
                 m.append(row)
-    fam = [
-        {
-            "comparison": k,
-            "Δ LR sensitivity [95% t-CI]": fmt(v),
-            "p (sign-flip)": f"{v['p_sign_flip']:.4f}",
-            "p (Holm)": f"{v['p_holm']:.4f}",
-            "claim met": "yes" if v["claim_met"] else "no",
-        }
-        for k, v in summary["remedies"].items()
-    ]
+    fam = common.family_rows(summary["remedies"], "Δ LR sensitivity [95% t-CI]")
     sec = [
         {
             "comparison": k,

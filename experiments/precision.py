@@ -278,17 +278,7 @@ def tables(cfg: Config, rows: list[dict], summary: dict, diagnoses: dict) -> str
                     "max residual RMS": f"{np.mean([r['max_residual_rms'] for r in rr]):.3g}",
                 }
             )
-    e = [
-        {
-            "comparison": k,
-            "Δ primary [95% t-CI]": f"{v['effect_mean']:+.3f} [{v['ci95'][0]:+.3f}, "
-            f"{v['ci95'][1]:+.3f}]",
-            "p (sign-flip)": f"{v['p_sign_flip']:.4f}",
-            "p (Holm)": f"{v['p_holm']:.4f}",
-            "claim met": "yes" if v["claim_met"] else "no",
-        }
-        for k, v in summary["remedies"].items()
-    ]
+    e = common.family_rows(summary["remedies"], "Δ primary [95% t-CI]")
     d = []
     for arm, by_lr in diagnoses.items():
         for lr, x in by_lr.items():

@@ -199,6 +199,19 @@ def grid_of(rows: Sequence[dict[str, Any]], key: str = "final_loss", **match: An
     return lr_grid({lr: float(np.mean(v)) for lr, v in score.items()})
 
 
+def final_per_seed(rows, seeds, key: str = "final_loss", **match: Any) -> list[float]:
+    """``key`` per seed (:func:`per_seed`) of the rows matching ``match``, a non-finite value
+    replaced by the row's ``init_loss`` (a diverged run counts as its loss at init)."""
+    return finite_or(
+        per_seed(rows, key, seeds, **match), per_seed(rows, "init_loss", seeds, **match)
+    )
+
+
+def lrs_from_best(lrs: Sequence[float], best: float, span: float = 10.0) -> list[float]:
+    """The grid's LRs from ``best`` to ``span`` × ``best``, both included (issue 29's 1–10×)."""
+    return [lr for lr in sorted(lrs) if best * (1 - 1e-9) <= lr <= span * best * (1 + 1e-9)]
+
+
 def finite_or(values: Sequence[float], fallback: Sequence[float]) -> list[float]:
     """``values`` with each non-finite entry replaced by the matching ``fallback`` (a
     diverged run's final loss counted as its loss at init)."""

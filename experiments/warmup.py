@@ -99,37 +99,19 @@ def run(cfg: Config, bar) -> tuple[list[dict], dict]:
     return rows, curves
 
 
-def primary(rows: list[dict], seeds, **match) -> list[float]:
-    """The primary metric per seed of the rows matching ``match``; diverged = init loss."""
-    return stats.finite_or(
-        stats.per_seed(rows, PRIMARY, seeds, **match),
-        stats.per_seed(rows, "init_loss", seeds, **match),
-    )
-
-
-def compared_lrs(lrs, best: float) -> list[float]:
-    """The grid's LRs from ``best`` to :data:`SPAN` × ``best`` (both included)."""
-    return [lr for lr in sorted(lrs) if best * (1 - 1e-9) <= lr <= SPAN * best * (1 + 1e-9)]
-
-
 def summarize(cfg: Config, rows: list[dict]) -> tuple[dict, dict]:
     base_w = cfg.warmups[0]
     size = f"d{cfg.d_model}x{cfg.n_layers}"
-    grid = {
-        arm_name(cfg, w): stats.lr_grid(
-            {lr: float(np.mean(primary(rows, cfg.seeds, warmup=w, lr=lr))) for lr in cfg.lrs}
-        )
-        for w in cfg.warmups
-    }
+    grid = {arm_name(cfg, w): stats.grid_of(rows, warmup=w) for w in cfg.warmups}
     best = grid[arm_name(cfg, base_w)]["best_lr"]
-    at = compared_lrs(cfg.lrs, best)
+    at = stats.lrs_from_best(cfg.lrs, best, SPAN)
     comparisons = {}
     for w in cfg.warmups[1:]:
         for lr in at:
             name = f"{arm_name(cfg, w)} @ lr {lr:g} ({lr / best:.3g}x best), {size}"
             comparisons[name] = {
-                "remedy": primary(rows, cfg.seeds, warmup=w, lr=lr),
-                "base": primary(rows, cfg.seeds, warmup=base_w, lr=lr),
+                "remedy": stats.final_per_seed(rows, cfg.seeds, warmup=w, lr=lr),
+                "base": stats.final_per_seed(rows, cfg.seeds, warmup=base_w, lr=lr),
             }
     remedies = stats.family(PRIMARY_TEXT, comparisons)
     # Reported, not claimed: Wortsman et al.'s LR sensitivity over the whole grid, per seed.
@@ -168,7 +150,9 @@ def summarize(cfg: Config, rows: list[dict]) -> tuple[dict, dict]:
         },
     }
     top = [r for r in rows if r["warmup"] == base_w and r["lr"] == max(at)]
-    base_at = [float(np.mean(primary(rows, cfg.seeds, warmup=base_w, lr=lr))) for lr in at]
+    base_at = [
+        float(np.mean(stats.final_per_seed(rows, cfg.seeds, warmup=base_w, lr=lr))) for lr in at
+    ]
     # The failure: no warmup ends worse at 10x its best LR than at its best (a model-made
     # failure: nothing injected, only a high peak LR).
     reproduced = len(at) > 1 and base_at[-1] > base_at[0]
@@ -205,7 +189,7 @@ def tables(cfg: Config, rows: list[dict], summary: dict, effects: dict) -> str:
         row = {"arm": arm_name(cfg, w)}
         for lr in cfg.lrs:
             rr = [r for r in rows if r["warmup"] == w and r["lr"] == lr]
-            v = primary(rows, cfg.seeds, warmup=w, lr=lr)
+            v = stats.final_per_seed(rows, cfg.seeds, warmup=w, lr=lr)
             failed = sum(r["failed"] for r in rr)
             row[f"lr {lr:g}"] = f"{np.mean(v):.3f}" + (f" ({failed} failed)" if failed else "")
         t.append(row)
@@ -216,16 +200,7 @@ def tables(cfg: Config, rows: list[dict], summary: dict, effects: dict) -> str:
             rr = [r for r in rows if r["warmup"] == w and r["lr"] == lr]
             row[f"lr {lr:g}"] = f"{np.mean([r['bursts'] for r in rr]):.1f}"
         b.append(row)
-    e = [
-        {
-            "comparison": k,
-            "Δ final loss [95% t-CI]": fmt(v["effect_mean"], v["ci95"], "+.3f"),
-            "p (sign-flip)": f"{v['p_sign_flip']:.4f}",
-            "p (Holm)": f"{v['p_holm']:.4f}",
-            "claim met": "yes" if v["claim_met"] else "no",
-        }
-        for k, v in summary["remedies"].items()
-    ]
+    e = common.family_rows(summary["remedies"], "Δ final loss [95% t-CI]")
     s = []
     for k, v in effects["lr_sensitivity"].items():
         a = v["arm"]
