@@ -647,8 +647,10 @@ def _sweep(tmp_path, reference, signum, n, seed):
             preempted += 1
             info = json.loads(marker.read_text())
             marker.unlink()
-            assert not info["reached"]
             assert _kinds(d)[-1] == "preempted"
+            if info["reached"]:  # the signal landed in the last step: saved at the target
+                assert info["step"] == 120
+                break
             continue
         # It had finished: rc 0 (signal during the last save) or the default handler's
         # death once close() restored it, after the final checkpoint.

@@ -66,7 +66,8 @@ class RunResult:
       step: ``state.step`` at the end.
       target: the ``num_steps`` asked for.
       reached: ``step == target``.
-      preempted: a preemption signal stopped it (the state was saved).
+      preempted: a preemption signal stopped it (the state was saved). A signal that lands
+        in the last step gives ``preempted`` and ``reached`` both: saved at the target.
       data_exhausted: the data ran out (``StopIteration``, or ``IndexError`` from a
         ``batch_fn``) before the target, possibly inside a rollback's skip.
     """
