@@ -187,7 +187,7 @@ def source_for(cfg: Any, s: proxy.Setup, arm: str, seed: int):
     source = proxy.corpus_batches(s)
     if arm == "clean":
         return clean_batches(source)
-    corpus = proxy._corpus(s.corpus_bytes, s.corpus)
+    corpus = proxy.load_corpus(s.corpus_bytes, s.corpus)
     source = poisoned(source, cfg, seed, corpus)
     return filtered(source) if arm == "filter" else source
 

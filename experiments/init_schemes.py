@@ -117,10 +117,7 @@ def compare_lrs(cfg: Config, grid: dict) -> list[float]:
 
 def run(cfg: Config, bar) -> tuple[list[dict], list[dict], dict, list[float]]:
     scan = train(cfg, BASE, cfg.scan_lrs, cfg.scan_seeds, bar)
-    score: dict[float, list[float]] = {}
-    for r in scan:
-        score.setdefault(r["lr"], []).append(primary(r))
-    grid = stats.lr_grid({lr: float(np.mean(v)) for lr, v in score.items()})
+    grid = stats.grid_of(scan)
     grid["arm"] = f"{BASE}, {len(cfg.scan_seeds)} seeds, {cfg.steps} steps"
     lrs = compare_lrs(cfg, grid)
     rows = [r for arm in cfg.arms for r in train(cfg, arm, lrs, cfg.seeds, bar)]

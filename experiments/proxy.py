@@ -201,7 +201,7 @@ def adamw_factory(s: Setup, *, clip: float | None = None):
 
 
 @functools.lru_cache(maxsize=4)
-def _corpus(nbytes: int, path: str | None):
+def load_corpus(nbytes: int, path: str | None):
     """:func:`~stabljax.reference.corpus.default_corpus`, read once per process (it walks a
     source tree)."""
     from stabljax.reference.corpus import default_corpus
@@ -213,7 +213,7 @@ def corpus_batches(s: Setup, *, seed_offset: int = 0):
     """``batch_fn(i)`` over the corpus of ``s`` (``seed_offset`` 1 is the held-out stream)."""
     from stabljax.reference.corpus import lm_batch_fn
 
-    corpus = _corpus(s.corpus_bytes, s.corpus)
+    corpus = load_corpus(s.corpus_bytes, s.corpus)
     return lm_batch_fn(
         corpus, batch_size=s.batch_size, seq_len=s.seq_len, seed=s.seed * 1000 + seed_offset
     )
