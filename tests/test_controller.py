@@ -177,6 +177,7 @@ def test_step_does_not_read_the_current_metrics(tmp_path):
     for k in range(5):
         p = {"loss": _Probe(1.0 + k), "skipped": _Probe(False), "skip_streak": _Probe(0)}
         probes.append(p)
+        state = state.replace(step=state.step + 1)  # a step advances state.step
         state, data = ctl.step(state, p, data)
         assert all(v.reads == 0 for v in p.values()), f"step {k} read its own metrics"
         if k:
@@ -624,17 +625,19 @@ def _restore_copy(directory, step_no, scratch, data=None):
 
 
 def test_a_failed_background_save_raises_at_the_next_wait_and_writes_nothing(tmp_path):
-    _, step = make_toy()
-
-    def double_step(state, batch):  # counts two steps per call: the save's check fails
-        state, metrics = step(state, batch)
-        return state.replace(step=state.step + 1), metrics
-
     ctl = _controller(tmp_path, background_save=True)
     state, data = ctl.restore_or_init(STATE0, IndexedBatches(batch_fn_factory()))
-    with pytest.raises(ValueError, match="state.step is 20 but the controller counted 10"):
+    write = ctl._store.write
+
+    def failing(step, *args, **kwargs):  # the worker's write of step 10 fails
+        if step == 10:
+            raise ValueError("the write of step 10 failed")
+        return write(step, *args, **kwargs)
+
+    ctl._store.write = failing
+    with pytest.raises(ValueError, match="the write of step 10 failed"):
         while ctl.current_step < 30:
-            state, metrics = double_step(state, next(data))
+            state, metrics = STEP(state, next(data))
             state, data = ctl.step(state, metrics, data)
     assert ctl.current_step == 20  # raised by the next save's wait
     assert ctl.checkpoint_steps() == [0]

@@ -469,6 +469,7 @@ class RollbackController:
         self._step: int | None = None
         self._abstract = self._pending = None  # the state's structure; (step, metrics) unread
         self._ledger = Ledger()  # survives rollbacks
+        self._stepped: tuple[int, Any] | None = None  # (expected, state.step): last call's
         self.last_run: RunResult | None = None
 
     def _open(self) -> None:
@@ -533,6 +534,7 @@ class RollbackController:
         ck.check_state(state)
         if self._closed:
             self._open()
+        self._stepped = None
         self._data = as_data_iterator(data)
         if self.triage is not None and self.triage.narrow_skip and not self._data.can_rewind:
             raise ValueError(
@@ -577,10 +579,14 @@ class RollbackController:
         """
         if self._step is None or self._data is None or self._closed:
             raise RuntimeError("call restore_or_init(state, data) before step() (or after close)")
-        Monitor.check_metrics(metrics)
+        Monitor.check_metrics(metrics, self._step)
         data = self._resolve(data)
+        self._check_advanced()
         self._step += 1
         previous, self._pending = self._pending, (self._step - 1, metrics)
+        # A device copy (the next train step may donate this state), read on the next call,
+        # when it is ready: the check costs no wait.
+        self._stepped = (self._step, jax.numpy.array(state.step, copy=True))
         if previous is not None and (restored := self._process(*previous)) is not None:
             return restored, data
         if self._poll:
@@ -598,6 +604,7 @@ class RollbackController:
     def finish(self, state: Any, data: Any) -> tuple[Any, Any]:
         """Reads the last pending metrics and saves the state (waits); may roll back."""
         data = self._resolve(data)
+        self._check_advanced()
         return self._flush_and_save(state, sync=True), data
 
     def run(
@@ -664,6 +671,22 @@ class RollbackController:
     def __repr__(self) -> str:
         args = f"save_every={self.save_every}, keep={self.keep}, step={self._step}"
         return f"RollbackController({str(self.directory)!r}, {args}, rollbacks={self.rollbacks})"
+
+    def _check_advanced(self) -> None:
+        """Checks, one call late (the value is ready by now), that the last step advanced
+        ``state.step`` by one: the ledger counts batches fed by it."""
+        stepped, self._stepped = self._stepped, None
+        if stepped is None:
+            return
+        expected, value = stepped
+        if (actual := int(ck.to_host(value))) != expected:
+            raise ValueError(
+                f"state.step is {actual} but the controller counted {expected} steps (train "
+                f"step {expected - 1}): the train step must increment state.step by one on "
+                "every call, skipped or not. A step counter taken from the optimizer state (optax.MultiSteps' "
+                "gradient_step, or a count a guard freezes on a skipped step) does not advance on "
+                "every call; count calls instead (state.replace(step=state.step + 1))."
+            )
 
     def _resolve(self, data: Any) -> DataIterator:
         if data is self._data or data is getattr(self._data, "source", object()):

@@ -29,6 +29,11 @@ from typing import Any
 
 import grain
 
+try:  # the legacy operations (MapOperation, BatchOperation, ...)
+    import grain.python as grain_legacy
+except ImportError:  # pragma: no cover - a Grain without them
+    grain_legacy = None
+
 from stabljax.control.errors import warn as warn_user
 
 
@@ -66,6 +71,33 @@ def first_allowed(index: int, ranges: Sequence[tuple[int, int]]) -> int:
     if k >= 0 and ranges[k][0] <= index < ranges[k][1]:
         return ranges[k][1]
     return index
+
+
+class GrainState(dict):
+    """A Grain iterator's own state (a dict), plus ``stabljax_index``, as the wrappers give it.
+
+    Grain's Orbax handler (``grain.checkpoint.CheckpointSave``) writes
+    ``json.dumps(get_state())`` for a ``grain.DatasetIterator`` and ``get_state().decode()``
+    for anything else, and restores with ``set_state`` of the text it read, encoded. This
+    dict's :meth:`decode` gives its JSON, so a trainer's own Orbax checkpoint of a stabljax
+    Grain wrapper works, and the file holds Grain's own state: the raw Grain iterator can
+    restore it too (Grain ignores the extra key), and the wrapper can restore a file the raw
+    iterator wrote.
+    """
+
+    def decode(self, *args: Any) -> str:
+        return json.dumps(self, indent=4)
+
+
+def parse_grain_state(state: Any) -> dict[str, Any]:
+    """Grain's state as a dict, from a dict, JSON text or JSON bytes."""
+    if isinstance(state, bytes | bytearray):
+        state = state.decode()
+    if isinstance(state, str):
+        state = json.loads(state)
+    if not isinstance(state, dict):
+        raise TypeError(f"a Grain iterator state is a dict or its JSON, got {type(state).__name__}")
+    return dict(state)
 
 
 class DataIterator(Iterator[Any]):
@@ -355,17 +387,39 @@ class GrainDatasetIterator(DataIterator):
     def _rewind(self, index: int) -> None:
         grain.experimental.set_next_index(self.source, index)
 
-    def get_state(self) -> dict[str, Any]:
-        return {"index": self._index, "grain": self.source.get_state()}
+    def get_state(self) -> GrainState:
+        """Grain's own state plus ``stabljax_index`` (see :class:`GrainState`)."""
+        return GrainState(self.source.get_state(), stabljax_index=self._index)
 
-    def set_state(self, state: dict[str, Any]) -> None:
-        """Restores Grain's state, then moves Grain to ``state["index"]`` if they differ."""
-        self.source.set_state(state["grain"])
-        index = int(state["index"])
+    def set_state(self, state: Any) -> None:
+        """Restores a :meth:`get_state` (or the raw Grain iterator's state, dict or JSON).
+
+        The position is ``stabljax_index`` when present, else Grain's next index.
+        """
+        state = parse_grain_state(state)
+        if "grain" in state and "index" in state:  # {"index", "grain"}: the wrapper's old form
+            state = {**state["grain"], "stabljax_index": state["index"]}
+        index = state.pop("stabljax_index", None)
+        self.source.set_state(state)
+        if index is None:
+            if not self._seekable:
+                raise ValueError(
+                    "this Grain state has no stabljax_index and the iterator cannot seek "
+                    "(filter/packing), so its batch position is unknown: restore a state "
+                    "that GrainDatasetIterator.get_state() wrote"
+                )
+            index = int(grain.experimental.get_next_index(self.source))
+        index = int(index)
         if self._seekable:
             if int(grain.experimental.get_next_index(self.source)) != index:
                 grain.experimental.set_next_index(self.source, index)
         self._index = index
+
+    def start_prefetch(self) -> None:
+        """Grain's ``start_prefetch`` (its Orbax handler calls it after a restore)."""
+        start = getattr(self.source, "start_prefetch", None)
+        if start is not None:
+            start()
 
     def _set_index(self, index: int) -> None:
         self._index = index
@@ -374,25 +428,40 @@ class GrainDatasetIterator(DataIterator):
         return f"GrainDatasetIterator(index={self._index}, source={self.source})"
 
 
-def _loader_batch_size(loader: Any) -> int | None:
-    """The records per batch of a DataLoader whose ops are 1:1 maps and one Batch."""
+def loader_operations(loader: Any) -> tuple[int | None, list[str]]:
+    """``(records per batch, the operations that stop O(1) skipping)`` of a DataLoader.
+
+    Skipping is exact state arithmetic when every operation maps one record to one record
+    (``grain.transforms.Map``, ``RandomMap``, ``MapWithIndex``, ``TfRandomMap``, and the
+    legacy ``MapOperation`` / ``RandomMapOperation``) and one of them batches
+    (``grain.transforms.Batch`` or the legacy ``BatchOperation``). The others (``Filter``,
+    ``FlatMap``, packing, a second batch) change the number of records and are named.
+    """
     ops = getattr(loader, "_operations", None)
     if ops is None:
-        return None
+        return None, ["unknown operations"]
+    legacy = grain_legacy
     one_to_one = tuple(
         getattr(grain.transforms, n)
         for n in ("Map", "RandomMap", "MapWithIndex", "TfRandomMap")
         if hasattr(grain.transforms, n)
+    ) + tuple(
+        getattr(legacy, n) for n in ("MapOperation", "RandomMapOperation") if hasattr(legacy, n)
     )
-    batch = None
+    batches = (grain.transforms.Batch,) + tuple(
+        getattr(legacy, n) for n in ("BatchOperation",) if hasattr(legacy, n)
+    )
+    batch, draining = None, []
     for op in ops:
-        if isinstance(op, grain.transforms.Batch):
+        if isinstance(op, batches):
             if batch is not None:
-                return None
+                draining.append(f"a second {type(op).__name__}")
             batch = int(op.batch_size)
         elif not isinstance(op, one_to_one):
-            return None
-    return batch if batch is not None else 1
+            draining.append(type(op).__name__)
+    if draining:
+        return None, draining
+    return (batch if batch is not None else 1), []
 
 
 class GrainLoaderIterator(DataIterator):
@@ -413,7 +482,9 @@ class GrainLoaderIterator(DataIterator):
       iterator: a ``grain.DataLoaderIterator``.
       loader: the ``grain.DataLoader`` it came from (read for the batch size); taken
         from the iterator when omitted.
-      start: the index of the next batch (the number already consumed).
+      start: the index of the next batch (the number already consumed); by default
+        derived from Grain's state when the operations allow it (else 0), so an iterator
+        restored from the trainer's own checkpoint before wrapping keeps its position.
 
     Example:
       >>> import grain
@@ -430,20 +501,27 @@ class GrainLoaderIterator(DataIterator):
       ([12, 13, 14, 15], 4)
     """
 
-    def __init__(self, iterator: grain.DataLoaderIterator, *, loader: Any = None, start=0):
+    def __init__(
+        self, iterator: grain.DataLoaderIterator, *, loader: Any = None, start: int | None = None
+    ):
         if not isinstance(iterator, grain.DataLoaderIterator):
             raise TypeError(f"expected a grain.DataLoaderIterator, got {type(iterator).__name__}")
-        super().__init__(start=start)
+        super().__init__(start=0 if start is None else start)
         self.source = iterator
         loader = loader if loader is not None else getattr(iterator, "_data_loader", None)
-        self._batch = _loader_batch_size(loader) if loader is not None else None
+        self._batch, self._draining = (
+            loader_operations(loader) if loader is not None else (None, ["unknown operations"])
+        )
         shard = getattr(loader, "_shard_options", None)
         self._shards = int(getattr(shard, "shard_count", 1) or 1)
+        self._shard_index = int(getattr(shard, "shard_index", 0) or 0)
         if self._batch is None:
             warn_user(
-                "this grain.DataLoader has operations that change the number of records "
-                "(Filter, FlatMap, several Batch): skipping will drain it."
+                f"this grain.DataLoader's operations {', '.join(self._draining)} change the "
+                "number of records: skipping will drain it."
             )
+        elif start is None:  # an iterator restored or advanced before it was wrapped
+            self._index = self._batches_consumed()
 
     @property
     def skip_is_cheap(self) -> bool:
@@ -475,12 +553,54 @@ class GrainLoaderIterator(DataIterator):
         # for n < 0: |n| // W whole cycles back, then the remainder forward.
         self._advance(index - self._index)
 
-    def get_state(self) -> dict[str, Any]:
-        return {"index": self._index, "grain": self.source.get_state().decode()}
+    def get_state(self) -> GrainState:
+        """Grain's own state plus ``stabljax_index`` (see :class:`GrainState`)."""
+        return GrainState(json.loads(self.source.get_state()), stabljax_index=self._index)
 
-    def set_state(self, state: dict[str, Any]) -> None:
-        self.source.set_state(state["grain"].encode())
-        self._index = int(state["index"])
+    def set_state(self, state: Any) -> None:
+        """Restores a :meth:`get_state` (or the raw Grain iterator's state, dict or JSON).
+
+        The position is ``stabljax_index`` when present, else derived from Grain's state
+        (exact for 1:1 operations and one ``Batch``).
+        """
+        state = parse_grain_state(state)
+        if "grain" in state and "index" in state:  # {"index", "grain"}: the wrapper's old form
+            state = {**json.loads(state["grain"]), "stabljax_index": state["index"]}
+        index = state.pop("stabljax_index", None)
+        self.source.set_state(json.dumps(state, indent=4).encode())
+        if index is None:
+            index = self._batches_consumed()
+            if index is None:
+                raise ValueError(
+                    "this Grain state has no stabljax_index and the loader's operations "
+                    f"({', '.join(self._draining) or 'several batches'}) change the number "
+                    "of records, so its batch position is unknown: restore a state that "
+                    "GrainLoaderIterator.get_state() wrote"
+                )
+        self._index = int(index)
+
+    def _batches_consumed(self) -> int | None:
+        """Batches this process has read, from Grain's state (1:1 operations and one Batch).
+
+        Grain stores, per worker ``w`` of ``W`` and shard ``s`` of ``S``, the last record
+        index seen, ``s - W S + w S + n_w W S`` where ``n_w`` is the records worker ``w``
+        has read; the batches read are ``sum(n_w) / B``.
+        """
+        if self._batch is None:
+            return None
+        st = json.loads(self.source.get_state())
+        workers = max(int(st["worker_count"]), 1)
+        seen = st["last_seen_indices"]
+        g = workers * self._shards
+        records = sum(
+            (int(seen[str(w)]) - self._shard_index + g - w * self._shards) // g
+            for w in range(workers)
+        )
+        return records // self._batch
+
+    def start_prefetch(self) -> None:
+        """Grain's ``start_prefetch`` (its Orbax handler calls it after a restore)."""
+        self.source.start_prefetch()
 
     def _set_index(self, index: int) -> None:
         self._index = index

@@ -60,13 +60,24 @@ class Monitor:
         self.rebaselines: int | None = None
 
     @staticmethod
-    def check_metrics(metrics: Any) -> None:
-        """Raises ``ValueError`` unless ``metrics`` is a dict with the loss (``metrics.LOSS``)."""
+    def check_metrics(metrics: Any, step: int | None = None) -> None:
+        """Raises ``ValueError`` unless ``metrics`` is a dict with a scalar loss (``metrics.LOSS``).
+
+        Checked on the call that passes them (shapes need no device sync), so a wrong
+        train step fails on its first step, naming it, not when the metrics are read.
+        """
+        at = "" if step is None else f" (step {step})"
         if not isinstance(metrics, Mapping) or LOSS not in metrics:
             keys = sorted(metrics) if isinstance(metrics, Mapping) else type(metrics).__name__
             raise ValueError(
-                f"metrics must be a dict with a scalar {LOSS!r} entry (the train step's loss); "
-                f"got {keys}"
+                f"metrics{at} must be a dict with a scalar {LOSS!r} entry (the train step's "
+                f"loss); got {keys}"
+            )
+        shape = getattr(metrics[LOSS], "shape", None)
+        if shape is not None and tuple(shape) != ():
+            raise ValueError(
+                f"metrics[{LOSS!r}]{at} must be a scalar, got shape {tuple(shape)}: reduce the "
+                "per-example or per-token loss (e.g. jnp.mean) before returning it"
             )
 
     @property
