@@ -1,0 +1,114 @@
+"""Adopting stabljax inside someone else's trainer (examples/trainer_before.py, trainer_after.py).
+
+README's adoption recipe is the diff between the two trainers: checked here line for line,
+with at most 15 changed lines. The adopted trainer keeps its own ``optax.MultiSteps``, its
+own Grain ``DataLoader`` and its own Orbax ``CheckpointManager`` (which saves the
+controller's Grain wrapper and restores it on a restart), and is run on bad data: one NaN
+micro-batch and a 20-batch window of random bytes (about 2x the loss).
+"""
+
+from __future__ import annotations
+
+import difflib
+import pathlib
+import re
+
+import jax
+import numpy as np
+import optax
+import pytest
+
+import stabljax
+from examples import trainer_after as adopt_after
+from examples import trainer_before as adopt_before
+from stabljax.control import read_events
+from stabljax.reference import default_corpus
+
+README = pathlib.Path(__file__).parents[1] / "README.md"
+HERE = pathlib.Path(__file__).parents[1] / "examples"
+NAN_BATCH = 61  # the second micro-batch of optimizer update 30
+GARBAGE = range(120, 140)  # 20 batches of uniform random bytes
+
+
+def make_docs(cfg, n_batches, *, nan_batch=None, garbage=()):
+    """``n_batches`` batches of corpus documents (batch i is docs[B i : B (i + 1)])."""
+    n = cfg.seq_len + 1
+    corpus = np.asarray(default_corpus(2_000_000))
+    rng = np.random.default_rng(0)
+    docs = []
+    for i in range(n_batches * cfg.batch_size):
+        doc, weight = corpus[i * n : (i + 1) * n].tobytes(), 1.0
+        if i // cfg.batch_size in garbage:
+            doc = rng.integers(0, 256, n, dtype=np.uint8).tobytes()
+        if nan_batch is not None and i == nan_batch * cfg.batch_size:
+            weight = float("nan")
+        docs.append((doc, weight))
+    held_out = [(corpus[-(i + 1) * n : len(corpus) - i * n].tobytes(), 1.0) for i in range(64)]
+    return docs, held_out
+
+
+def readme_diff() -> str:
+    text = README.read_text()
+    m = re.search(r"<!-- recipe: adoption -->\n```diff\n(.*?)```", text, re.S)
+    assert m, "README.md has no '<!-- recipe: adoption -->' diff block"
+    return m.group(1)
+
+
+def test_readme_recipe_is_the_diff_of_the_two_trainers_in_at_most_15_lines():
+    before = (HERE / "trainer_before.py").read_text().splitlines(keepends=True)
+    after = (HERE / "trainer_after.py").read_text().splitlines(keepends=True)
+    diff = difflib.unified_diff(before, after, "trainer.py", "trainer.py", n=1)
+    diff = "".join(diff)
+    assert readme_diff() == diff
+    changed = [ln for ln in diff.splitlines() if ln[:1] in "+-" and ln[:3] not in ("+++", "---")]
+    assert len(changed) <= 15, changed
+
+
+def test_adopted_trainer_keeps_its_own_checkpoint_beside_the_controller(tmp_path):
+    """A restart restores the trainer's own Orbax checkpoint (the controller's Grain
+    wrapper saved in it) and the controller's, and ends where an uninterrupted run does."""
+    cfg = adopt_after.Config(steps=40, save_every=20)
+    docs, held_out = make_docs(cfg, 60)
+    _, ref_eval, _ = adopt_after.train(cfg, docs, held_out, tmp_path / "ref")
+    half = adopt_after.Config(steps=20, save_every=20)
+    adopt_after.train(half, docs, held_out, tmp_path / "run")
+    assert (tmp_path / "run" / "ckpt" / "20").is_dir()  # the trainer's own checkpoint
+    state2, eval2, _ = adopt_after.train(cfg, docs, held_out, tmp_path / "run")
+    assert int(state2.step) == 40
+    np.testing.assert_allclose(eval2, ref_eval, rtol=1e-6)
+    events = [e.kind for e in read_events(tmp_path / "run" / "stabljax" / "events.jsonl")]
+    assert "restore" in events
+    # gradient_step read the optax way through the guards: 2 micro-batches per update.
+    assert int(optax.tree.get(state2.opt_state, "gradient_step")) == 20
+
+
+def test_the_original_trainer_runs_unchanged(tmp_path):
+    cfg = adopt_before.Config(steps=20, save_every=10)
+    docs, held_out = make_docs(cfg, 30)
+    state, ev, log = adopt_before.train(cfg, docs, held_out, tmp_path)
+    assert int(state.step) == 20 and np.isfinite(ev)
+
+
+@pytest.mark.slow
+def test_adopted_trainer_on_bad_data_never_stalls_and_ends_near_the_clean_run(tmp_path):
+    cfg = adopt_after.Config()
+    clean_docs, held_out = make_docs(cfg, 400)
+    _, clean_eval, _ = adopt_after.train(cfg, clean_docs, held_out, tmp_path / "clean")
+    docs, _ = make_docs(cfg, 400, nan_batch=NAN_BATCH, garbage=GARBAGE)
+    skipped, finite = {}, []
+
+    def on_step(state, metrics):
+        skipped[int(state.step) - 1] = bool(stabljax.any_skipped(state.opt_state))
+        finite.append(all(bool(np.isfinite(x).all()) for x in jax.tree.leaves(state.params)))
+
+    state, bad_eval, _ = adopt_after.train(cfg, docs, held_out, tmp_path / "bad", on_step)
+    assert all(finite), "NaN reached the params"
+    # The NaN micro-batch is dropped; nothing after its accumulation window is skipped
+    # unless it is a garbage batch.
+    after = [s for s, sk in skipped.items() if sk and s > NAN_BATCH + 1]
+    assert all(s in GARBAGE or s >= GARBAGE.start for s in after), after
+    events = read_events(tmp_path / "bad" / "stabljax" / "events.jsonl")
+    rollbacks = [e for e in events if e.kind == "rollback"]
+    assert len(rollbacks) <= 1, [e.details for e in rollbacks]
+    assert abs(bad_eval - clean_eval) <= 0.01 * clean_eval, (bad_eval, clean_eval)
+    assert int(optax.tree.get(state.opt_state, "gradient_step")) > 0
