@@ -17,6 +17,7 @@ BENCHES = {
     "detectors": ("slow_false_alarms", "slow_delay", "spike", "real_curves", "ratios", "targets"),
     "triage": ("ratios", "targets", "samples"),
     "guard_streams": ("per_stream", "ratios", "targets"),
+    "adoption": ("seconds", "save_ms", "ratios", "targets", "n_params"),
 }
 RATIOS = {
     "optimizer_update": (
@@ -43,6 +44,7 @@ RATIOS = {
         "spike_5x_caught_lognormal",
     ),
     "triage": ("triage/plain_large", "triage/plain_small"),
+    "adoption": ("loop_time_sync/bare", "loop_time_async/bare", "loop_time_background/bare"),
     "guard_streams": (
         "stabljax_bad_max",
         "stabljax_nan_seeds_max",
@@ -51,7 +53,7 @@ RATIOS = {
     ),
 }
 # Those that compile a whole train step several times take tens of seconds.
-SLOW = {"train_step", "controller", "triage", "guard_streams"}
+SLOW = {"train_step", "controller", "triage", "guard_streams", "adoption"}
 
 
 @pytest.mark.parametrize(
