@@ -1,0 +1,134 @@
+"""Screening ahead after a rollback: where a bad window ends, measured instead of guessed.
+
+When a detector fires, the controller knows where the trouble began, not where it ends.
+PaLM skipped 200-500 batches blind; doubling the skip on each repeated rollback passes a
+window of ``w`` batches in about ``log2(w)`` rollbacks (three for 20 garbage batches, as
+seen in a real trainer). After the restore, :func:`screen_ahead` looks at the batches
+ahead instead: each is run through the train step from a copy of the restored state (the
+run's own state, optimizer state and data position are untouched) and the skip is
+extended while their loss stays anomalous, up to ``max_skip`` batches. One rollback then
+passes one bad window, and the skip event records the screened range and its losses.
+
+Only iterators that can fetch a batch by index (``batch_fn``, as
+:class:`~stabljax.control.data.IndexedBatches`) or move back (``can_rewind``: seekable
+Grain iterators) can be screened; for the others the skip stays the blind one.
+
+Example:
+  >>> import jax.numpy as jnp
+  >>> from stabljax.control.data import IndexedBatches
+  >>> from stabljax.control.screen import screen_ahead
+  >>> data = IndexedBatches(lambda i: jnp.float32(9.0 if 3 <= i < 7 else 1.0), start=3)
+  >>> step = lambda state, batch: (state, {"loss": batch})
+  >>> s = screen_ahead(step, 0, data, is_anomalous=lambda loss: loss > 2, max_skip=10)
+  >>> s.end, s.losses, data.index
+  (7, (9.0, 9.0, 9.0, 9.0, 1.0), 3)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from stabljax import metrics as keys
+from stabljax.control.data import first_allowed
+from stabljax.control.store import device_snapshot, to_host
+
+
+@dataclasses.dataclass(frozen=True)
+class Screened:
+    """What :func:`screen_ahead` found.
+
+    Attributes:
+      start: the first data index screened.
+      end: one past the last anomalous batch of the run that starts at ``start``
+        (``start`` when the first batch is healthy).
+      indices: the data indices screened, in order (skipped ranges passed over).
+      losses: their losses under the restored state.
+      capped: the run reached ``max_skip`` batches and may go on.
+    """
+
+    start: int
+    end: int
+    indices: tuple[int, ...]
+    losses: tuple[float, ...]
+    capped: bool = False
+
+    def as_details(self) -> dict[str, Any]:
+        """JSON-able, for the skip event."""
+        return {
+            "screened": [self.start, self.end],
+            "screened_indices": list(self.indices),
+            "screened_losses": [v if math.isfinite(v) else str(v) for v in self.losses],
+            "screen_capped": self.capped,
+        }
+
+
+def can_screen(data: Any) -> bool:
+    """Whether :func:`screen_ahead` can look ahead in ``data`` without losing a batch."""
+    return callable(getattr(data, "batch_fn", None)) or bool(getattr(data, "can_rewind", False))
+
+
+def screen_ahead(
+    step_fn: Callable[[Any, Any], tuple[Any, Mapping[str, Any]]],
+    state: Any,
+    data: Any,
+    *,
+    is_anomalous: Callable[[float], bool],
+    max_skip: int,
+) -> Screened:
+    """Runs the batches ahead of ``data``'s position from copies of ``state``.
+
+    Args:
+      step_fn: the train step; it may donate its state (it gets a fresh copy each call).
+      state: the restored state (not modified).
+      data: a :class:`~stabljax.control.data.DataIterator` at the restored position; it is
+        back there on return.
+      is_anomalous: ``loss -> bool``, the detector's verdict on a screened loss (a
+        non-finite loss is always anomalous).
+      max_skip: at most this many anomalous batches are screened.
+
+    Returns:
+      A :class:`Screened`; ``end`` is where training should resume.
+
+    Raises:
+      ValueError: ``max_skip < 1``, or ``data`` cannot be screened (:func:`can_screen`).
+    """
+    if isinstance(max_skip, bool) or int(max_skip) != max_skip or max_skip < 1:
+        raise ValueError(f"max_skip must be an int >= 1, got {max_skip!r}")
+    if not can_screen(data):
+        raise ValueError(
+            f"{type(data).__name__} can neither fetch a batch by index nor move back: "
+            "it cannot be screened"
+        )
+    batch_fn = getattr(data, "batch_fn", None)
+    ranges = data.skipped_ranges
+    start = data.index
+    indices: list[int] = []
+    losses: list[float] = []
+    end, capped, i = first_allowed(start, ranges), False, start
+    try:
+        while True:
+            i = first_allowed(i, ranges)
+            if callable(batch_fn):
+                batch = batch_fn(i)
+            else:
+                batch = next(data)  # honours the skipped ranges, as i does
+            _, metrics = step_fn(device_snapshot(state), batch)
+            loss = float(to_host(metrics[keys.LOSS]))
+            indices.append(i)
+            losses.append(loss)
+            if math.isfinite(loss) and not is_anomalous(loss):
+                break
+            end = i + 1
+            if len(indices) >= max_skip:
+                capped = True
+                break
+            i += 1
+    except (StopIteration, IndexError):  # the data ended inside the window
+        pass
+    finally:
+        if not callable(batch_fn) and data.index != start:
+            data.rewind(start)
+    return Screened(start, end, tuple(indices), tuple(losses), capped)
