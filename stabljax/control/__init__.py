@@ -12,6 +12,9 @@ an index) and the event log.
 * :class:`Event`, :class:`EventLog`, :func:`read_events` — the event records and
   ``events.jsonl`` (versioned: :data:`SCHEMA_VERSION`, docs/events.md).
 * :class:`TriageConfig` — after a rollback, replay the window to classify the spike.
+* :class:`RollbackInfo`, :func:`lower_lr`, :func:`scale_hyperparam`,
+  :func:`reset_second_moment`, :func:`by_verdict`, :func:`chain_remedies` — remedies: what a
+  rollback changes in the restored state (``RollbackController(remedy=...)``).
 
 The modules, one floor each: :mod:`~stabljax.control.errors` (exceptions, warnings),
 :mod:`~stabljax.control.data` (iterators), :mod:`~stabljax.control.detectors`,
@@ -62,6 +65,13 @@ from stabljax.control.events import EventSchemaError as EventSchemaError
 from stabljax.control.events import JsonlMetricsWriter as JsonlMetricsWriter
 from stabljax.control.events import TensorBoardMetricsWriter as TensorBoardMetricsWriter
 from stabljax.control.events import read_events as read_events
+from stabljax.control.remedies import Remedy as Remedy
+from stabljax.control.remedies import RollbackInfo as RollbackInfo
+from stabljax.control.remedies import by_verdict as by_verdict
+from stabljax.control.remedies import chain_remedies as chain_remedies
+from stabljax.control.remedies import lower_lr as lower_lr
+from stabljax.control.remedies import reset_second_moment as reset_second_moment
+from stabljax.control.remedies import scale_hyperparam as scale_hyperparam
 from stabljax.control.triage import TriageConfig as TriageConfig
 
 # Each alias is the module itself, so `from stabljax.control.checkpoints import
@@ -106,7 +116,9 @@ __all__ = (
     "JsonlMetricsWriter",
     "PlainIterator",
     "Preempted",
+    "Remedy",
     "RollbackController",
+    "RollbackInfo",
     "RunResult",
     "SlowDivergenceDetector",
     "SpikeDetector",
@@ -114,9 +126,14 @@ __all__ = (
     "TrainingDiverged",
     "TriageConfig",
     "as_data_iterator",
+    "by_verdict",
+    "chain_remedies",
     "default_detectors",
+    "lower_lr",
     "mann_kendall",
     "merge_ranges",
     "read_events",
+    "reset_second_moment",
+    "scale_hyperparam",
     "sen_slope",
 )

@@ -51,6 +51,7 @@ from stabljax.control.errors import DataExhausted, Preempted
 from stabljax.control.errors import warn as warn
 from stabljax.control.events import Event, EventLog, host_metrics
 from stabljax.control.monitor import Monitor
+from stabljax.control.remedies import RollbackInfo, check_remedy
 from stabljax.control.rollback import RECORD, Ledger
 from stabljax.control.store import Saver
 
@@ -397,6 +398,13 @@ class RollbackController:
         rollback under :meth:`run`, replay the window on copies of the state and log a
         ``triage`` event (verdict ``data``/``state``/``nondeterministic``, evidence,
         culprits, attribution). Off by default; ``False`` changes nothing.
+      remedy: ``remedy(state, info) -> state``, applied to the restored state at every
+        rollback (after triage, so ``info.verdict`` is set) before training resumes, and
+        logged as a ``remedy`` event; ``info`` is a
+        :class:`~stabljax.control.remedies.RollbackInfo`. Built-ins in
+        :mod:`~stabljax.control.remedies` (``lower_lr``, ``scale_hyperparam``,
+        ``reset_second_moment``, ``by_verdict``, ``chain_remedies``). A restart that finds
+        only checkpoints from before the last rollback applies it again (``reapplied``).
 
     Attributes:
       directory, events (the :class:`~stabljax.control.events.EventLog`), detectors, and
@@ -443,6 +451,7 @@ class RollbackController:
         preemption_signals: Sequence[int] = (signal.SIGTERM,),
         data_config: Any = None,
         triage: bool | tr.TriageConfig = False,
+        remedy: Callable[[Any, RollbackInfo], Any] | None = None,
     ):
         sizes = dict(save_every=save_every, keep=keep, rollback_margin=rollback_margin)
         more = dict(extra_skip=extra_skip, max_rollbacks=max_rollbacks)
@@ -455,6 +464,7 @@ class RollbackController:
         self.async_save, self.background_save = bool(async_save), bool(background_save)
         self.data_config = ck.jsonable(data_config)
         self.triage, self._train_step = tr.as_config(triage), None
+        self.remedy = check_remedy(remedy)
         self.directory = pathlib.Path(directory).absolute()
         self._watch = PreemptionWatch(preemption_signals)
         ck.check_directory(self.directory)
@@ -557,11 +567,16 @@ class RollbackController:
         self._step, self._ledger = self._saver.load(r.meta), r.ledger
         self._watch.install(self._step)
         self._data.skipped_ranges = r.ledger.ranges
-        rb.place(self._data, r.index, r.state, self._step, saved=r.saved)
+        state = r.state
+        if r.redo is not None and self.remedy is not None:
+            state = rb.reapply_remedy(self.remedy, state, r.redo)
+        rb.place(self._data, r.index, state, self._step, saved=r.saved)
         self._saver.retain()
         details = dict(skipped_ranges=r.ledger.ranges, rollbacks=r.ledger.rollbacks)
         self._log("restore", self._step, data_index=self._data.index, **r.detail, **details)
-        return r.state, self._data
+        if r.redo is not None and self.remedy is not None:
+            rb.log_remedy(self._log, r.redo, reapplied=True)
+        return state, self._data
 
     def step(self, state: Any, metrics: Mapping[str, Any], data: Any) -> tuple[Any, Any]:
         """Records one training step; saves, rolls back or stops when it is time.
@@ -721,6 +736,7 @@ class RollbackController:
             max_rollbacks=self.max_rollbacks,
             triage=self.triage,
             step_fn=self._train_step,
+            remedy=self.remedy,
         )
         parts = (self._store, self._saver, self._monitor, self._ledger, self._data, cfg)
         r = rb.roll_back(*parts, triggers=triggers, fed_end=fed_end)

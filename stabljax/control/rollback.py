@@ -23,6 +23,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, NamedTuple, NoReturn
 
 from stabljax.control import policy
+from stabljax.control import remedies as rm
 from stabljax.control import store as ck
 from stabljax.control import triage as tr
 from stabljax.control.data import first_allowed, merge_ranges
@@ -175,6 +176,7 @@ class Restored:
     step: int
     detail: dict[str, Any] = dataclasses.field(default_factory=dict)
     saved: tuple[int, Any] | None = None  # resume: the data item read, for place()
+    redo: dict[str, Any] | None = None  # resume: a rollback's remedy the state lacks
 
 
 @dataclasses.dataclass(frozen=True)
@@ -188,6 +190,7 @@ class RollbackConfig:
       max_rollbacks: rollbacks allowed; the next one gives up.
       triage: a :class:`~stabljax.control.triage.TriageConfig`, or None.
       step_fn: the train step triage replays.
+      remedy: ``remedy(state, info) -> state`` applied to the restored state, or None.
     """
 
     margin: int
@@ -196,6 +199,7 @@ class RollbackConfig:
     max_rollbacks: int
     triage: Any = None
     step_fn: Callable[..., Any] | None = None
+    remedy: Callable[..., Any] | None = None
 
 
 class Decision(NamedTuple):
@@ -253,12 +257,15 @@ def resume(store: ck.CheckpointStore, saver: ck.Saver, data_config: Any) -> Rest
     step, (state, meta, saved) = found
     ledger = Ledger.from_meta(meta)
     index = int(meta["data_index"])
-    if ledger.merge_record(record) and step == record["target_step"]:
+    merged = ledger.merge_record(record)
+    if merged and step == record["target_step"]:
         index = max(index, int(record["data_index"]))
     reason = "resume" + (" (finished an interrupted rollback)" if pending else "")
     index = first_allowed(index, ledger.ranges)
     saved_at = (int(meta["data_index"]), saved)
-    return Restored(state, meta, ledger, index, step, {"reason": reason}, saved_at)
+    # The checkpoint predates the record's rollback, so it lacks that rollback's remedy.
+    redo = ledger.last_rollback if merged and "remedy" in (ledger.last_rollback or {}) else None
+    return Restored(state, meta, ledger, index, step, {"reason": reason}, saved_at, redo)
 
 
 def give_up(
@@ -386,6 +393,21 @@ def roll_back(
     }
     if report is not None:
         entry["verdict"], entry["culprits"] = report["verdict"], report["culprits"]
+    applied = None
+    if cfg.remedy is not None:
+        # Before the record: a remedy that raises leaves nothing that resume would adopt.
+        info = rm.RollbackInfo(
+            step=target,
+            onset=onset,
+            rollbacks=ledger.rollbacks + 1,
+            skip=(skip.start, skip.end),
+            verdict=None if report is None else report["verdict"],
+            kinds=tuple(d.kind for d in triggers),
+            detected=detected,
+        )
+        state = cfg.remedy(state, info)
+        applied = rm.describe(cfg.remedy, info)
+        entry["remedy"], entry["remedy_info"] = applied, info.to_json()
     new = ledger.after_rollback(entry, (skip.start, skip.end))
     resume_at = first_allowed(int(meta["data_index"]) if narrowed else skip.end, new.ranges)
     if ck.is_primary():
@@ -406,4 +428,20 @@ def roll_back(
     store.log("skip", detected, range=entry["range"], length=skip.length, doubled=skip.doubled)
     if report is not None:
         store.log("triage", detected, narrowed=narrowed, **report)
+    if applied is not None:
+        log_remedy(store.log, entry, reapplied=False)
     return Restored(state, meta, new, resume_at, target)
+
+
+def log_remedy(log: Callable[..., None], entry: Mapping[str, Any], *, reapplied: bool) -> None:
+    """The ``remedy`` event of the rollback ledger ``entry``."""
+    info = entry["remedy_info"]
+    details = dict(entry["remedy"], restored_step=entry["restored"], rollbacks=info["rollbacks"])
+    log("remedy", entry["detected"], **details, info=info, reapplied=reapplied)
+
+
+def reapply_remedy(remedy: Callable[..., Any] | None, state: Any, entry: Mapping[str, Any]) -> Any:
+    """Applies ``remedy`` again after a restart, as the rollback ``entry`` applied it."""
+    if remedy is None:
+        return state
+    return remedy(state, rm.RollbackInfo.from_json(entry["remedy_info"]))
