@@ -319,3 +319,10 @@ def chain_remedies(*remedies: Callable[..., Any]) -> Remedy:
         return state
 
     return Remedy("chain", fn, {}, parts=tuple(remedies))
+
+
+def remedy_event(entry: Mapping[str, Any], *, reapplied: bool) -> dict[str, Any]:
+    """The ``remedy`` event's details for the rollback ledger ``entry`` that applied one."""
+    info = entry["remedy_info"]
+    details = dict(entry["remedy"], restored_step=entry["restored"], rollbacks=info["rollbacks"])
+    return details | {"info": info, "reapplied": reapplied}
