@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ast
+import math
 import pathlib
 
 import pytest
@@ -214,3 +215,45 @@ def test_a_plan_with_a_remedy_carries_it_into_the_record():
     assert with_it.ledger.history == [with_it.entry]
     assert with_it.record(time=0.0)["last_rollback"]["remedy"] == applied
     assert "remedy" not in plan.entry and not with_it.margin_met
+
+
+# ----------------------------------------------------------------------------- config checks
+
+_GOOD = dict(save_every=10, keep=3, rollback_margin=5, extra_skip=0, max_rollbacks=2)
+
+
+@pytest.mark.parametrize("name", sorted(_GOOD))
+@pytest.mark.parametrize("bad", [math.nan, math.inf, -math.inf, 1.5, 10.0, True, False, "3"])
+def test_every_integer_setting_refuses_a_non_int_naming_it(name, bad):
+    with pytest.raises(ValueError, match=rf"^{name} must be an int >= \d") as e:
+        policy.check_config(**(_GOOD | {name: bad}))
+    assert repr(bad) in str(e.value)
+
+
+@pytest.mark.parametrize(
+    "name, low",
+    [
+        ("save_every", 1),
+        ("keep", 1),
+        ("rollback_margin", 0),
+        ("extra_skip", 0),
+        ("max_rollbacks", 0),
+    ],
+)
+def test_every_integer_setting_has_a_floor(name, low):
+    policy.check_config(**(_GOOD | {name: low, "rollback_margin": 0}))
+    with pytest.raises(ValueError, match=name):
+        policy.check_config(**(_GOOD | {name: low - 1}))
+
+
+def test_max_rollbacks_none_is_unlimited_and_numpy_ints_are_ints():
+    import numpy as np
+
+    policy.check_config(**(_GOOD | {"max_rollbacks": None, "save_every": np.int64(10)}))
+    with pytest.raises(ValueError, match="save_every"):
+        policy.check_config(**(_GOOD | {"save_every": None}))
+    with pytest.raises(ValueError, match=r"max_rollbacks must be an int >= 0 or None"):
+        policy.check_config(**(_GOOD | {"max_rollbacks": math.inf}))
+    ledger = policy.Ledger(rollbacks=10**6)
+    assert policy.decide([_Found(5, 4)], ledger, step=5, max_rollbacks=None).action == "rollback"
+    assert policy.decide([_Found(5, 4)], ledger, step=5, max_rollbacks=10).action == "give_up"

@@ -84,6 +84,8 @@ class RollbackController:
       detectors: default :func:`~stabljax.control.drift.default_detectors`. Action
         ``"raise"`` raises :class:`TrainingDiverged`; an unknown action is a ``ValueError``.
       max_rollbacks: rollbacks allowed; the next one raises :class:`TrainingDiverged`.
+        ``None``: unlimited. Every integer argument must be an ``int`` (not a bool, a
+        float, NaN or inf) in its range, else a ``ValueError`` naming it.
       async_save: Orbax writes in the background (the host copy is made in :meth:`step`).
       background_save: one process only: a worker thread copies and writes an on-device
         copy of the state; its error is raised by the next call that waits for it.
@@ -142,7 +144,7 @@ class RollbackController:
         rollback_margin: int = 100,
         extra_skip: int = 0,
         detectors: Sequence[Detector] | None = None,
-        max_rollbacks: int = 10,
+        max_rollbacks: int | None = 10,
         async_save: bool = True,
         background_save: bool = False,
         verify: bool = True,
@@ -158,7 +160,8 @@ class RollbackController:
         )
         self.save_every, self.keep = int(save_every), int(keep)
         self.rollback_margin, self.extra_skip = int(rollback_margin), int(extra_skip)
-        self.max_rollbacks, self.verify = int(max_rollbacks), bool(verify)
+        self.max_rollbacks = None if max_rollbacks is None else int(max_rollbacks)
+        self.verify = bool(verify)
         self.async_save, self.background_save = bool(async_save), bool(background_save)
         self.data_config = jsonable(data_config)
         self.triage, self._train_step = tr.as_config(triage), None

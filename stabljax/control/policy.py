@@ -24,6 +24,7 @@ from __future__ import annotations
 import bisect
 import dataclasses
 import math
+import numbers
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, Literal, NamedTuple, Protocol, get_args
 
@@ -37,7 +38,7 @@ def check_config(
     keep: int,
     rollback_margin: int,
     extra_skip: int = 0,
-    max_rollbacks: int = 0,
+    max_rollbacks: int | None = 0,
     background_save: bool = False,
     processes: int = 1,
 ) -> None:
@@ -64,8 +65,12 @@ def check_config(
         ("extra_skip", extra_skip, 0),
         ("max_rollbacks", max_rollbacks, 0),
     ):
-        if isinstance(value, bool) or int(value) != value or value < low:
-            raise ValueError(f"{name} must be an int >= {low}, got {value!r}")
+        if name == "max_rollbacks" and value is None:
+            continue  # unlimited
+        # An int (Python's or NumPy's), never a bool, a float (100.0, nan, inf) or a string.
+        if not isinstance(value, numbers.Integral) or isinstance(value, bool) or value < low:
+            unlimited = " or None (unlimited)" if name == "max_rollbacks" else ""
+            raise ValueError(f"{name} must be an int >= {low}{unlimited}, got {value!r}")
     if background_save and processes > 1:
         raise ValueError(
             f"background_save=True needs a single process, got {processes}: Orbax "
@@ -398,20 +403,20 @@ class Decision(NamedTuple):
 
 
 def decide(
-    found: Sequence[Finding], ledger: Ledger, *, step: int, max_rollbacks: int
+    found: Sequence[Finding], ledger: Ledger, *, step: int, max_rollbacks: int | None
 ) -> Decision | None:
     """The one place a rollback is decided, from the detections of step ``step``.
 
     A detection whose action is ``"raise"`` gives up; otherwise detections that roll back
     (:attr:`~stabljax.control.detectors.Detection.rolls_back`) roll back, unless
-    ``max_rollbacks`` are spent, which gives up too. None: nothing to do.
+    ``max_rollbacks`` are spent (``None``: never), which gives up too. None: nothing to do.
     """
     if raising := [d for d in found if d.action == "raise"]:
         return Decision("give_up", raising, f"Training stopped at step {step}: a detector raised.")
     triggers = [d for d in found if d.rolls_back]
     if not triggers:
         return None
-    if ledger.rollbacks >= max_rollbacks:
+    if max_rollbacks is not None and ledger.rollbacks >= max_rollbacks:
         headline = (
             f"Training diverged: {ledger.rollbacks} rollback(s) (max_rollbacks="
             f"{max_rollbacks}) did not get past the trouble."
