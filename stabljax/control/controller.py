@@ -399,9 +399,10 @@ class RollbackController:
             raise ValueError(
                 f"state.step is {actual} but the controller counted {expected} steps (train "
                 f"step {expected - 1}): the train step must increment state.step by one on "
-                "every call, skipped or not. A step counter taken from the optimizer state (optax.MultiSteps' "
-                "gradient_step, or a count a guard freezes on a skipped step) does not advance on "
-                "every call; count calls instead (state.replace(step=state.step + 1))."
+                "every call, skipped or not. A step counter taken from the optimizer state "
+                "(optax.MultiSteps' gradient_step, or a count a guard freezes on a skipped "
+                "step) does not advance on every call; count calls instead "
+                "(state.replace(step=state.step + 1))."
             )
 
     def _resolve(self, data: Any) -> DataIterator:

@@ -32,7 +32,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from stabljax import metrics as keys
-from stabljax.control.data import first_allowed
+from stabljax.control.policy import first_allowed
 from stabljax.control.store import device_snapshot, to_host
 
 
