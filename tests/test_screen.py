@@ -103,3 +103,39 @@ def test_what_cannot_be_screened_and_bad_arguments():
     for bad in (0, -1, 2.5, True):
         with pytest.raises(ValueError, match="max_skip"):
             screen_ahead(step, state0(), _indexed(0), is_anomalous=anomalous, max_skip=bad)
+
+
+def test_extending_a_plan_extends_its_skip_ledger_and_entry():
+    from stabljax.control.detectors import Detection
+    from stabljax.control.policy import Ledger, RollbackSettings, Skip, Target, plan_rollback
+
+    spike = Detection("spike", 36, 35, "rollback", "loss 9 > 5", 9.0)
+    plan = plan_rollback([spike], Ledger(), Target(20, 20, True), 37, RollbackSettings(10, 0, 30))
+    longer = plan.extended_to(50, {"screened": [37, 50]})
+    assert longer.skip == Skip(20, 50, 30, False) and longer.resume_at == 50
+    assert longer.ledger.ranges == [(20, 50)] and longer.entry["range"] == [20, 50]
+    assert longer.entry["screened"] == [37, 50] and longer.ledger.history[-1] == longer.entry
+    assert longer.record(0.0)["data_index"] == 50
+    same = plan.extended_to(37, {"screened": [37, 37]})  # nothing anomalous ahead
+    assert same.skip == plan.skip and same.entry["screened"] == [37, 37]
+
+
+@pytest.mark.parametrize("screen", [0, 64], ids=["blind", "screened"])
+def test_one_rollback_passes_a_whole_bad_window_when_screening(tmp_path, screen):
+    from toy import batch_fn_factory, run_toy
+
+    window = range(40, 60)  # 20 garbage batches
+    ctl, state, data = run_toy(tmp_path, 100, batch_fn_factory(bad=window), screen_ahead=screen)
+    skips = [e for e in ctl.events if e.kind == "skip"]
+    if screen:
+        assert ctl.rollbacks == 1, [e.details for e in skips]
+        (skip,) = skips
+        a, b = skip.details["range"]
+        assert a <= window.start and b == window.stop  # exactly to the window's end
+        assert skip.details["screened"][1] == window.stop
+        assert skip.details["screened_indices"][-1] == window.stop  # the healthy one
+    else:
+        assert ctl.rollbacks >= 2  # doubling, the fallback
+    covered = set().union(*(range(a, b) for a, b in ctl.skipped_ranges))
+    assert set(window) <= covered
+    assert int(state.step) == 100

@@ -41,6 +41,7 @@ from stabljax.control.policy import Ledger
 from stabljax.control.remedies import RollbackInfo, check_remedy, describe, remedy_event
 from stabljax.control.rollback import RECORD
 from stabljax.control.saver import Saver
+from stabljax.control.screen import SCREENED, extend_over_window
 from stabljax.control.session import (
     DirectoryLock,
     PreemptionWatch,
@@ -105,6 +106,16 @@ class RollbackController:
         :mod:`~stabljax.control.remedies` (``lower_lr``, ``scale_hyperparam``,
         ``reset_second_moment``, ``by_verdict``, ``chain_remedies``). A restart that finds
         only checkpoints from before the last rollback applies it again (``reapplied``).
+      screen_ahead: after each rollback, screen up to this many batches past the planned
+        skip (:func:`~stabljax.control.screen.screen_ahead`: each run from a copy of the
+        restored state) and extend the skip while their loss is a spike against the
+        losses before the onset (triage's rule, :func:`~stabljax.control.triage.is_spike`),
+        so one rollback passes a whole bad window; the skip event records the screened
+        range and losses. ``0`` (the default) keeps the blind skip, which doubles on each
+        consecutive rollback. Needs the train step (:meth:`run`'s, or ``screen_step``)
+        and data that can fetch by index or move back (IndexedBatches, seekable Grain).
+      screen_step: the train step to screen with in a hand-written loop (under
+        :meth:`run`, the one given to it).
 
     Attributes:
       directory, events (the :class:`~stabljax.control.events.EventLog`), detectors, and
@@ -152,6 +163,8 @@ class RollbackController:
         data_config: Any = None,
         triage: bool | tr.TriageConfig = False,
         remedy: Callable[[Any, RollbackInfo], Any] | None = None,
+        screen_ahead: int = 0,
+        screen_step: Callable[[Any, Any], tuple[Any, Mapping[str, Any]]] | None = None,
     ):
         sizes = dict(save_every=save_every, keep=keep, rollback_margin=rollback_margin)
         more = dict(extra_skip=extra_skip, max_rollbacks=max_rollbacks)
@@ -166,6 +179,11 @@ class RollbackController:
         self.data_config = jsonable(data_config)
         self.triage, self._train_step = tr.as_config(triage), None
         self.remedy = check_remedy(remedy)
+        if isinstance(screen_ahead, bool) or not isinstance(screen_ahead, int) or screen_ahead < 0:
+            raise ValueError(f"screen_ahead must be an int >= 0, got {screen_ahead!r}")
+        if screen_step is not None and not callable(screen_step):
+            raise TypeError(f"screen_step must be a train step (callable), got {screen_step!r}")
+        self.screen_ahead, self.screen_step = screen_ahead, screen_step
         self.directory = pathlib.Path(directory).absolute()
         self._watch = PreemptionWatch(preemption_signals)
         check_directory(self.directory)
@@ -389,21 +407,10 @@ class RollbackController:
         return f"RollbackController({str(self.directory)!r}, {args}, rollbacks={self.rollbacks})"
 
     def _check_advanced(self) -> None:
-        """Checks, one call late (the value is ready by now), that the last step advanced
-        ``state.step`` by one: the ledger counts batches fed by it."""
+        """Checks, one call late, that the last call's ``state.step`` advanced by one."""
         stepped, self._stepped = self._stepped, None
-        if stepped is None:
-            return
-        expected, value = stepped
-        if (actual := int(ck.to_host(value))) != expected:
-            raise ValueError(
-                f"state.step is {actual} but the controller counted {expected} steps (train "
-                f"step {expected - 1}): the train step must increment state.step by one on "
-                "every call, skipped or not. A step counter taken from the optimizer state "
-                "(optax.MultiSteps' gradient_step, or a count a guard freezes on a skipped "
-                "step) does not advance on every call; count calls instead "
-                "(state.replace(step=state.step + 1))."
-            )
+        if stepped is not None:
+            Monitor.check_step(*stepped)
 
     def _resolve(self, data: Any) -> DataIterator:
         if data is self._data or data is getattr(self._data, "source", object()):
@@ -493,6 +500,7 @@ class RollbackController:
         checkpoint = policy.Target(target, int(meta["data_index"]), margin_met)
         kw = dict(active_onsets=onsets, losses=losses, triage=report)
         plan = policy.plan_rollback(triggers, self._ledger, checkpoint, fed_end, cfg, **kw)
+        plan = self._screen_hook(state, plan, losses)
         state, plan = self._remedy_hook(state, plan, triggers)
         if ck.is_primary():
             ck.atomic_write_json(store.directory / RECORD, plan.record(time.time()))
@@ -530,6 +538,14 @@ class RollbackController:
             ranges=self._ledger.ranges,
         )
 
+    def _screen_hook(self, state: Any, plan: policy.RollbackPlan, losses: Any) -> Any:
+        """With ``screen_ahead``, extends the skip over the anomalous batches past it."""
+        step_fn = self.screen_step or self._train_step
+        if not self.screen_ahead or plan.narrowed or step_fn is None:
+            return plan
+        rule = self.triage or tr.TriageConfig()
+        return extend_over_window(plan, step_fn, state, self._data, losses, rule, self.screen_ahead)
+
     def _remedy_hook(self, state: Any, plan: policy.RollbackPlan, triggers: Sequence[Detection]):
         """With ``remedy``, changes the restored state and records it in the plan's entry
         (so the crash record carries it and a restart applies it again)."""
@@ -559,7 +575,10 @@ class RollbackController:
             losses=losses,
             rollbacks=plan.ledger.rollbacks,
         )
-        self._log("skip", at, range=entry["range"], length=skip.length, doubled=skip.doubled)
+        screened = {k: entry[k] for k in SCREENED if k in entry}
+        self._log(
+            "skip", at, range=entry["range"], length=skip.length, doubled=skip.doubled, **screened
+        )
         if report is not None:
             self._log("triage", at, narrowed=plan.narrowed, **report)
         if "remedy" in entry:

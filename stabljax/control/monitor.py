@@ -24,7 +24,7 @@ from stabljax.control import policy
 from stabljax.control.detectors import Detection, Detector
 from stabljax.control.errors import warn
 from stabljax.control.policy import losses_before
-from stabljax.control.store import host_scalars
+from stabljax.control.store import host_scalars, to_host
 from stabljax.metrics import LOSS, SKIPPED, SPIKE_REBASELINES
 
 EMA_DECAY = 0.98
@@ -78,6 +78,21 @@ class Monitor:
             raise ValueError(
                 f"metrics[{LOSS!r}]{at} must be a scalar, got shape {tuple(shape)}: reduce the "
                 "per-example or per-token loss (e.g. jnp.mean) before returning it"
+            )
+
+    @staticmethod
+    def check_step(expected: int, value: Any) -> None:
+        """Raises ``ValueError`` unless ``value`` (a state's step, read one call late from a
+        device copy, so the check never waits) is ``expected``: the ledger counts the
+        batches fed by ``state.step``."""
+        if (actual := int(to_host(value))) != expected:
+            raise ValueError(
+                f"state.step is {actual} but the controller counted {expected} steps (train "
+                f"step {expected - 1}): the train step must increment state.step by one on "
+                "every call, skipped or not. A step counter taken from the optimizer state "
+                "(optax.MultiSteps' gradient_step, or a count a guard freezes on a skipped "
+                "step) does not advance on every call; count calls instead "
+                "(state.replace(step=state.step + 1))."
             )
 
     @property

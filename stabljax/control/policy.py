@@ -500,6 +500,27 @@ class RollbackPlan:
         )
         return dataclasses.replace(self, ledger=ledger)
 
+    def extended_to(self, end: int, screened: Mapping[str, Any]) -> RollbackPlan:
+        """This plan with its skip extended to ``end``: screening ahead found that the bad
+        window goes on there. ``screened`` (what was screened) goes into the entry.
+
+        The example below extends :func:`plan_rollback`'s example plan from 37 to 50:
+        ``Skip(start=20, end=50, length=30, doubled=False)``, resuming at 50, ranges
+        ``[(20, 50)]`` (tests/test_screen.py).
+        """
+        entry, plan, end = dict(self.entry, **screened), self, int(end)
+        ranges = self.ledger.ranges
+        if end > self.skip.end:
+            skip = Skip(self.skip.start, end, end - self.skip.start, self.skip.doubled)
+            entry.update(range=[skip.start, skip.end], length=skip.length)
+            ranges = merge_ranges(ranges + [(skip.start, skip.end)])
+            plan = dataclasses.replace(self, skip=skip, resume_at=first_allowed(end, ranges))
+        history = self.ledger.history[:-1] + [entry]
+        ledger = dataclasses.replace(
+            self.ledger, ranges=ranges, last_rollback=entry, history=history
+        )
+        return dataclasses.replace(plan, ledger=ledger)
+
 
 def plan_rollback(
     detections: Sequence[Finding],

@@ -31,9 +31,14 @@ import math
 from collections.abc import Callable, Mapping
 from typing import Any
 
+import jax
+
 from stabljax import metrics as keys
 from stabljax.control.policy import first_allowed
-from stabljax.control.store import device_snapshot, to_host
+from stabljax.control.store import all_agree, device_snapshot, to_host
+from stabljax.control.triage import is_spike
+
+SCREENED = ("screened", "screened_indices", "screened_losses", "screen_capped")  # event keys
 
 
 @dataclasses.dataclass(frozen=True)
@@ -77,8 +82,10 @@ def screen_ahead(
     *,
     is_anomalous: Callable[[float], bool],
     max_skip: int,
+    start: int | None = None,
+    agree: Callable[[bool], bool] = bool,
 ) -> Screened:
-    """Runs the batches ahead of ``data``'s position from copies of ``state``.
+    """Runs the batches ahead of ``data``'s position (or of ``start``) from copies of ``state``.
 
     Args:
       step_fn: the train step; it may donate its state (it gets a fresh copy each call).
@@ -88,6 +95,10 @@ def screen_ahead(
       is_anomalous: ``loss -> bool``, the detector's verdict on a screened loss (a
         non-finite loss is always anomalous).
       max_skip: at most this many anomalous batches are screened.
+      start: the first data index to screen (default: ``data.index``); ``data`` is moved
+        there and back when it has no ``batch_fn``.
+      agree: ``healthy -> healthy everywhere``: on several processes, the all-reduce that
+        keeps every process screening (and stepping) in lockstep.
 
     Returns:
       A :class:`Screened`; ``end`` is where training should resume.
@@ -104,11 +115,14 @@ def screen_ahead(
         )
     batch_fn = getattr(data, "batch_fn", None)
     ranges = data.skipped_ranges
-    start = data.index
+    home = data.index
+    start = home if start is None else int(start)
     indices: list[int] = []
     losses: list[float] = []
     end, capped, i = first_allowed(start, ranges), False, start
     try:
+        if not callable(batch_fn):
+            _move(data, start)
         while True:
             i = first_allowed(i, ranges)
             if callable(batch_fn):
@@ -119,7 +133,7 @@ def screen_ahead(
             loss = float(to_host(metrics[keys.LOSS]))
             indices.append(i)
             losses.append(loss)
-            if math.isfinite(loss) and not is_anomalous(loss):
+            if agree(math.isfinite(loss) and not is_anomalous(loss)):
                 break
             end = i + 1
             if len(indices) >= max_skip:
@@ -129,6 +143,37 @@ def screen_ahead(
     except (StopIteration, IndexError):  # the data ended inside the window
         pass
     finally:
-        if not callable(batch_fn) and data.index != start:
-            data.rewind(start)
+        if not callable(batch_fn):
+            _move(data, home)
     return Screened(start, end, tuple(indices), tuple(losses), capped)
+
+
+def _move(data: Any, index: int) -> None:
+    if index < data.index:
+        data.rewind(index)
+    elif index > data.index:
+        data.seek(index)
+
+
+def extend_over_window(
+    plan: Any, step_fn: Any, state: Any, data: Any, losses: Any, rule: Any, max_skip: int
+) -> Any:
+    """The controller's use of :func:`screen_ahead`: ``plan`` (a
+    :class:`~stabljax.control.policy.RollbackPlan`) extended over the batches past its
+    skip whose loss is a spike (triage's rule ``rule``) against the finite, unskipped
+    ``losses`` (``[step, loss, skipped]``) before the onset; unchanged for data that
+    cannot be screened. On several processes every process screens in lockstep."""
+    if not can_screen(data):
+        return plan
+    reference = [x[1] for x in losses if x[0] < plan.onset and not x[2]]
+    reference = [v for v in reference if v is not None and math.isfinite(v)]
+    found = screen_ahead(
+        step_fn,
+        state,
+        data,
+        is_anomalous=lambda loss: is_spike(loss, reference, rule),
+        max_skip=max_skip,
+        start=plan.resume_at,
+        agree=all_agree if jax.process_count() > 1 else bool,
+    )
+    return plan.extended_to(found.end, found.as_details())
