@@ -467,6 +467,50 @@ def test_skip_spikes_burst_above_max_ratio_and_disagreeing_runs_are_not_absorbed
     assert int(state.spike_streak) == 30 and int(state.spike_rebaselines) == 0
 
 
+def _run_skips(opt, losses):
+    step = jit_update(opt)
+    params, g = {"w": jnp.ones((2,))}, {"w": jnp.ones((2,))}
+    state, skipped = opt.init(params), []
+    for loss in losses:
+        _, state = step(g, state, params, value=loss)
+        skipped.append(bool(state.spike_skipped))
+    return skipped, state
+
+
+def test_skip_spikes_recorded_garbage_window_is_skipped_whole():
+    # Issue 37's recorded stream: ~150 steps near 2.7, 30 garbage batches near 9.2 (3.4x, above
+    # rebaseline_ratio 2.5 and shorter than rebaseline_max_after 64), then back near 2.7.
+    losses = 2.7 * np.r_[_shifted_losses(9.2 / 2.7, n_before=150), _shifted_losses(1.0, seed=1)]
+    skipped, state = _run_skips(skip_spikes(optax.sgd(1.0), watch=("loss",)), losses)
+    assert skipped == [False] * 150 + [True] * 30 + [False] * 90
+    assert int(state.spike_rebaselines) == 0 and int(state.spike_skips) == 30
+
+
+@pytest.mark.parametrize(
+    "jump, kwargs, cost",
+    [
+        (2.4, {}, 6),  # log 2.4 = 0.875 <= log 2.5 = 0.916: absorbed after K = 6
+        (2.6, {}, 64),  # above 2.5, below 4: absorbed after rebaseline_max_after = 64
+        (3.9, {}, 64),
+        (4.1, {}, None),  # above rebaseline_max_ratio: never
+        (3.0, {"rebaseline_max_after": 10}, 10),
+        (3.0, {"rebaseline_ratio": 3.5}, 6),
+        (2.2, {"rebaseline_max_ratio": 2.0}, None),  # rebaseline_ratio is capped at the max
+        (1.9, {"rebaseline_max_ratio": 2.0}, 6),
+    ],
+)
+def test_skip_spikes_ratio_limit_grows_with_the_run_length(jump, kwargs, cost):
+    # A constant signal (scale at its 0.01 floor, the run's span 0) isolates the ratio limit.
+    opt = skip_spikes(optax.sgd(1.0), warmup_steps=3, watch=("loss",), **kwargs)
+    skipped, state = _run_skips(opt, [1.0] * 8 + [jump] * 100)
+    if cost is None:
+        assert skipped == [False] * 8 + [True] * 100
+        assert int(state.spike_rebaselines) == 0 and int(state.spike_streak) == 100
+    else:
+        assert skipped == [False] * 8 + [True] * cost + [False] * (100 - cost)
+        assert int(state.spike_rebaselines) == 1 and int(state.spike_skips) == cost
+
+
 def test_skip_spikes_nan_resets_a_run_and_never_enters_it():
     opt = skip_spikes(optax.sgd(1.0), watch=("loss",), rebaseline_after=3)
     step = jit_update(opt)
@@ -753,6 +797,11 @@ def test_sharded_equals_unsharded_and_one_global_decision():
         ({"rebaseline_after": 2.5}, "rebaseline_after"),
         ({"rebaseline_max_ratio": 1.0}, "rebaseline_max_ratio"),
         ({"rebaseline_max_ratio": float("nan")}, "rebaseline_max_ratio"),
+        ({"rebaseline_ratio": 1.0}, "rebaseline_ratio"),
+        ({"rebaseline_ratio": float("nan")}, "rebaseline_ratio"),
+        ({"rebaseline_max_after": 5}, "rebaseline_max_after"),
+        ({"rebaseline_max_after": 64.0}, "rebaseline_max_after"),
+        ({"rebaseline_after": None, "rebaseline_max_after": 1}, "rebaseline_max_after"),
         ({"warmup_steps": 2.5}, "warmup_steps"),
         ({"watch": ()}, "watch"),
         ({"watch": ("loss", "accuracy")}, "watch"),
@@ -770,6 +819,7 @@ def test_skip_spikes_valid_edge_hyperparameters():
         {"warmup_steps": 2, "window": 8},
         {"rebaseline_after": None, "z_threshold": 0.1},
         {"rebaseline_after": 2, "rebaseline_max_ratio": 1.01},
+        {"rebaseline_after": 8, "rebaseline_max_after": 8, "rebaseline_ratio": 1.01},
     )
     for kwargs in edges:
         opt = skip_spikes(optax.sgd(0.1), watch=("grad_norm",), **kwargs)

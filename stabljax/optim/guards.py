@@ -111,17 +111,18 @@ def skip_spikes(
     watch: Sequence[str] = ("loss", "grad_norm"),
     rebaseline_after: int | None = 6,
     rebaseline_max_ratio: float = 4.0,
+    rebaseline_ratio: float = 2.5,
+    rebaseline_max_after: int = 64,
     check_update: bool = False,
     axis_name: AxisName | None = None,
 ) -> optax.GradientTransformationExtraArgs:
     r"""Skips the whole step when the loss or the gradient norm spikes above its recent level.
 
-    :func:`skip_step` with ``spikes=SpikeRule(z_threshold, window, warmup_steps, watch,
-    rebaseline_after, rebaseline_max_ratio)``; see :class:`SpikeRule` for the statistics
-    (log space, a median level over the last 16 accepted values, a tail scale over the last
-    ``window`` residuals, all on device). The watched values are ``"loss"`` (the
-    ``value=`` extra argument) and ``"grad_norm"`` (the global norm of the
-    incoming gradients, in float32). The step is skipped when
+    :func:`skip_step` with ``spikes=SpikeRule(...)`` of these arguments; see
+    :class:`SpikeRule` for the statistics (log space, a median level over the last 16
+    accepted values, a tail scale over the last ``window`` residuals, all on device). The
+    watched values are ``"loss"`` (the ``value=`` extra argument) and ``"grad_norm"`` (the
+    global norm of the incoming gradients, in float32). The step is skipped when
 
     * the gradient norm, or a watched objective, is NaN or Inf (always), or
     * :math:`n \ge` ``warmup_steps`` accepted steps have been gathered and any
@@ -130,12 +131,15 @@ def skip_spikes(
     Only accepted steps with finite values enter the windows: a skipped spike or a NaN
     never does (the flaw of MaxText's and Levanter's ports, where one NaN poisons the next
     window), so a normal step right after it is not skipped. A skipped step returns exact
-    zeros and keeps the inner state bit-for-bit. ``rebaseline_after`` consecutive spikes
-    that agree with each other (a level shift, not an outlier; see :class:`SpikeRule`)
-    re-baseline the level and count in ``spike_rebaselines``, so a permanent 2× shift costs
-    that many skipped steps instead of a stall. A larger jump, or a flagged step repeating
-    on a deterministic objective that does not agree, keeps ``spike_streak`` growing for a
-    controller (rollback with a data skip) to act on.
+    zeros and keeps the inner state bit-for-bit. A run of consecutive spikes that agree
+    with each other (a level shift, not an outlier; see :class:`SpikeRule`) re-baselines the
+    level and counts in ``spike_rebaselines``: after ``rebaseline_after`` steps when it sits
+    at most ``rebaseline_ratio`` above the level (a permanent 2× shift costs 6 skipped steps
+    instead of a stall), after ``rebaseline_max_after`` steps when it sits at most
+    ``rebaseline_max_ratio`` above, so a shorter, higher garbage window (30 steps at 3.4×) is
+    skipped whole. A larger jump, or a flagged step repeating on a deterministic objective
+    that does not agree, keeps ``spike_streak`` growing for a controller (rollback with a
+    data skip) to act on.
 
     Args:
       inner: the transformation to guard, e.g. a whole optimizer.
@@ -145,10 +149,14 @@ def skip_spikes(
       warmup_steps: accepted steps during which values are only gathered; an int >= 2.
       watch: a non-empty tuple of distinct names from ``("loss", "grad_norm")``. With
         ``"loss"`` watched, ``update`` must be given the objective (a scalar).
-      rebaseline_after: consecutive agreeing spikes that re-baseline the level; an int
-        >= 2, or None to never re-baseline.
-      rebaseline_max_ratio: the largest jump a re-baseline absorbs, as a ratio to the
+      rebaseline_after: consecutive agreeing spikes that re-baseline the level when they
+        sit at most ``rebaseline_ratio`` above it; an int >= 2, or None to never re-baseline.
+      rebaseline_max_ratio: the largest jump a re-baseline ever absorbs, as a ratio to the
         level; > 1.
+      rebaseline_ratio: the largest jump absorbed after ``rebaseline_after`` steps (at most
+        ``rebaseline_max_ratio`` is used); > 1.
+      rebaseline_max_after: the run length after which jumps up to
+        ``rebaseline_max_ratio`` are absorbed; an int >= ``rebaseline_after``.
       check_update: also skip when the inner update is non-finite (see
         :func:`skip_step`).
       axis_name: the ``shard_map``/``pmap`` axes the gradients are sharded over.
@@ -201,6 +209,8 @@ def skip_spikes(
         watch=watch,
         rebaseline_after=rebaseline_after,
         rebaseline_max_ratio=rebaseline_max_ratio,
+        rebaseline_ratio=rebaseline_ratio,
+        rebaseline_max_after=rebaseline_max_after,
     )
     # The gradient norm is always checked; the objective only when watched, so that a
     # grad-norm-only guard works on steps whose loss is not (yet) meaningful.
