@@ -30,6 +30,7 @@ from stabljax.optim._base import (
     validate,
     with_extra_args,
 )
+from stabljax.optim.guard_multisteps import check_multisteps_placement, missing_field
 
 # The values a guard can test (skip_step's `nonfinite`, SpikeRule's `watch`).
 WATCHABLE = ("loss", "grad_norm")
@@ -186,6 +187,8 @@ class SkipNonfiniteState(NamedTuple):
     nonfinite_skips: jax.Array  # shape=(), int32: skipped steps in total
     nonfinite_streak: jax.Array  # shape=(), int32: consecutive skipped steps, 0 after a good one
 
+    __getattr__ = missing_field  # opt_state.gradient_step: "use optax.tree.get"
+
 
 class SkipSpikesState(NamedTuple):
     """State of :func:`skip_spikes` (and of :func:`skip_step` with a spike rule).
@@ -204,6 +207,8 @@ class SkipSpikesState(NamedTuple):
     spike_run_length: jax.Array  # shape=(), int32: consecutive spike skips of finite values
     spike_rebaselines: jax.Array  # shape=(), int32: level shifts absorbed in total
     spike_zscore: jax.Array  # shape=(len(watch),), float32: z of this step's values
+
+    __getattr__ = missing_field
 
 
 def _scalar_f32(owner: str, objective: Any) -> jax.Array:
@@ -463,6 +468,9 @@ def skip_step(
     inner = with_extra_args(inner)
 
     def init_fn(params: optax.Params) -> SkipNonfiniteState | SkipSpikesState:
+        # Read by a guard's check below this one (inside an optax.MultiSteps it wraps).
+        drops_nonfinite_gradients = "grad_norm" in nonfinite  # noqa: F841
+        check_multisteps_placement(owner)
         flags = (jnp.zeros([], jnp.bool_), jnp.zeros([], jnp.int32), jnp.zeros([], jnp.int32))
         if spikes is None:
             return SkipNonfiniteState(inner.init(params), *flags)

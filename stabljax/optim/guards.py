@@ -8,6 +8,8 @@ The two helpers :func:`any_skipped` and :func:`skip_streak` read the guards'
 flags anywhere in an optimizer state (through ``optax.chain``,
 ``optax.inject_hyperparams``, ``optax.MultiSteps`` and nested guards); the train
 step reports them as ``metrics["skipped"]`` and ``metrics["skip_streak"]``.
+:func:`skip_nonfinite_micro_batch` is ``optax.MultiSteps``' ``should_skip_update_fn``
+that lets a guard sit inside it (see :mod:`stabljax.optim.guard_multisteps`).
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from stabljax.optim.guard_core import (
     SpikeRule,
     skip_step,
 )
+from stabljax.optim.guard_multisteps import MICRO_BATCH_SKIPPED, skip_nonfinite_micro_batch
 
 __all__ = [
     "SkipNonfiniteState",
@@ -34,6 +37,7 @@ __all__ = [
     "SpikeRule",
     "any_skipped",
     "skip_nonfinite",
+    "skip_nonfinite_micro_batch",
     "skip_spikes",
     "skip_step",
     "skip_streak",
@@ -234,8 +238,11 @@ def _found(opt_state: optax.OptState, names: tuple[str, ...]) -> list[jax.Array]
 def any_skipped(opt_state: optax.OptState) -> jax.Array:
     """Whether any guard in an optimizer state skipped its last step.
 
-    ORs every ``nonfinite_skipped`` (:func:`skip_nonfinite`) and ``spike_skipped``
-    (:func:`skip_spikes`) field found anywhere in ``opt_state`` with
+    ORs every ``nonfinite_skipped`` (:func:`skip_nonfinite`), ``spike_skipped``
+    (:func:`skip_spikes`), ``micro_batch_skipped`` (a micro-batch
+    :func:`skip_nonfinite_micro_batch` dropped) and ``should_skip`` (one that optax's
+    ``skip_not_finite`` or ``skip_large_updates`` dropped) field found anywhere in
+    ``opt_state`` with
     :func:`optax.tree.get_all_with_path`, so it looks through ``optax.chain``,
     ``optax.inject_hyperparams``, ``optax.MultiSteps`` (where the flags describe the
     last emitted update) and nested guards. Runs under ``jax.jit``.
@@ -256,7 +263,8 @@ def any_skipped(opt_state: optax.OptState) -> jax.Array:
       >>> print(bool(any_skipped(state)), bool(any_skipped(optax.adam(1e-3).init(jnp.zeros(2)))))
       True False
     """
-    flags = [jnp.any(v) for v in _found(opt_state, ("nonfinite_skipped", "spike_skipped"))]
+    names = ("nonfinite_skipped", "spike_skipped", MICRO_BATCH_SKIPPED, "should_skip")
+    flags = [jnp.any(v) for v in _found(opt_state, names)]
     return functools.reduce(jnp.logical_or, flags, jnp.zeros([], jnp.bool_))
 
 
