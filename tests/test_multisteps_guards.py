@@ -16,6 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from helpers import mesh8, shard_leading
 
 import stabljax
 from stabljax.optim.guards import any_skipped, skip_nonfinite, skip_spikes
@@ -175,3 +176,49 @@ def test_skip_nonfinite_micro_batch_matches_the_guards_test():
         assert set(extra) == {"micro_batch_skipped"} and bool(extra["micro_batch_skipped"]) is (
             expected
         )
+
+
+def test_sharded_over_8_devices_equals_unsharded():
+    mesh = mesh8()
+    drop = stabljax.skip_nonfinite_micro_batch
+    opt = optax.MultiSteps(BOTH(_adamw()), every_k_schedule=2, should_skip_update_fn=drop)
+    params = {"w": jnp.zeros((16,), jnp.float32), "b": jnp.zeros((3,), jnp.float32)}
+    rng = np.random.default_rng(1)
+    seq = [{k: rng.standard_normal(v.shape).astype(np.float32) for k, v in params.items()}]
+    seq += [{k: rng.standard_normal(v.shape).astype(np.float32) for k, v in params.items()}]
+    seq[1]["w"][13] = np.nan  # in one shard only: the decision is still global
+    seq *= 3
+    step = jax.jit(lambda g, s, p: opt.update(g, s, p, value=jnp.sum(g["b"] ** 2)))
+
+    def run(params, seq):
+        state, out = opt.init(params), []
+        for g in seq:
+            u, state = step(g, state, params)
+            params = optax.apply_updates(params, u)
+            out.append(bool(any_skipped(state)))
+        return params, out
+
+    ref, ref_skips = run(params, seq)
+    got, got_skips = run(shard_leading(params, mesh), [shard_leading(g, mesh) for g in seq])
+    assert ref_skips == got_skips == [False, True] * 3
+    chex.assert_tree_all_finite(got)
+    chex.assert_trees_all_close(got, ref, rtol=1e-6, atol=1e-7)
+
+
+def test_axis_name_under_shard_map_skips_every_shard_together():
+    mesh = mesh8()
+    spec = jax.sharding.PartitionSpec("data")
+    fn = functools.partial(stabljax.skip_nonfinite_micro_batch, axis_name="data")
+
+    @jax.jit
+    @functools.partial(jax.shard_map, mesh=mesh, in_specs=spec, out_specs=spec)
+    def skips(g):
+        local, _ = fn({"g": g}, jnp.zeros([], jnp.int32), None)
+        unreduced, _ = stabljax.skip_nonfinite_micro_batch({"g": g}, 0, None)
+        return jnp.stack([local, unreduced])[None]
+
+    g = np.ones((16,), np.float32)
+    g[3] = np.nan  # in shard 1 of 8
+    out = np.asarray(skips(jnp.asarray(g)))
+    assert out[:, 0].all()  # reduced over the axis: every shard skips
+    assert out[:, 1].tolist() == [i == 1 for i in range(8)]  # local only: one shard would
