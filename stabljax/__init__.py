@@ -59,6 +59,9 @@ from stabljax.optim.guard_core import SkipNonfiniteState as SkipNonfiniteState
 from stabljax.optim.guard_core import SkipSpikesState as SkipSpikesState
 from stabljax.optim.guard_core import SpikeRule as SpikeRule
 from stabljax.optim.guard_core import skip_step as skip_step
+from stabljax.optim.guard_multisteps import (
+    skip_nonfinite_micro_batch as skip_nonfinite_micro_batch,
+)
 from stabljax.optim.guards import any_skipped as any_skipped
 from stabljax.optim.guards import skip_nonfinite as skip_nonfinite
 from stabljax.optim.guards import skip_spikes as skip_spikes
@@ -122,6 +125,7 @@ __all__ = (
     "scale_by_adam_atan2",
     "scale_by_safe_adam",
     "skip_nonfinite",
+    "skip_nonfinite_micro_batch",
     "skip_spikes",
     "skip_step",
     "skip_streak",

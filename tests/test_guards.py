@@ -467,6 +467,50 @@ def test_skip_spikes_burst_above_max_ratio_and_disagreeing_runs_are_not_absorbed
     assert int(state.spike_streak) == 30 and int(state.spike_rebaselines) == 0
 
 
+def _run_skips(opt, losses):
+    step = jit_update(opt)
+    params, g = {"w": jnp.ones((2,))}, {"w": jnp.ones((2,))}
+    state, skipped = opt.init(params), []
+    for loss in losses:
+        _, state = step(g, state, params, value=loss)
+        skipped.append(bool(state.spike_skipped))
+    return skipped, state
+
+
+def test_skip_spikes_recorded_garbage_window_is_skipped_whole():
+    # Issue 37's recorded stream: ~150 steps near 2.7, 30 garbage batches near 9.2 (3.4x, above
+    # rebaseline_ratio 2.5 and shorter than rebaseline_max_after 64), then back near 2.7.
+    losses = 2.7 * np.r_[_shifted_losses(9.2 / 2.7, n_before=150), _shifted_losses(1.0, seed=1)]
+    skipped, state = _run_skips(skip_spikes(optax.sgd(1.0), watch=("loss",)), losses)
+    assert skipped == [False] * 150 + [True] * 30 + [False] * 90
+    assert int(state.spike_rebaselines) == 0 and int(state.spike_skips) == 30
+
+
+@pytest.mark.parametrize(
+    "jump, kwargs, cost",
+    [
+        (2.4, {}, 6),  # log 2.4 = 0.875 <= log 2.5 = 0.916: absorbed after K = 6
+        (2.6, {}, 64),  # above 2.5, below 4: absorbed after rebaseline_max_after = 64
+        (3.9, {}, 64),
+        (4.1, {}, None),  # above rebaseline_max_ratio: never
+        (3.0, {"rebaseline_max_after": 10}, 10),
+        (3.0, {"rebaseline_ratio": 3.5}, 6),
+        (2.2, {"rebaseline_max_ratio": 2.0}, None),  # rebaseline_ratio is capped at the max
+        (1.9, {"rebaseline_max_ratio": 2.0}, 6),
+    ],
+)
+def test_skip_spikes_ratio_limit_grows_with_the_run_length(jump, kwargs, cost):
+    # A constant signal (scale at its 0.01 floor, the run's span 0) isolates the ratio limit.
+    opt = skip_spikes(optax.sgd(1.0), warmup_steps=3, watch=("loss",), **kwargs)
+    skipped, state = _run_skips(opt, [1.0] * 8 + [jump] * 100)
+    if cost is None:
+        assert skipped == [False] * 8 + [True] * 100
+        assert int(state.spike_rebaselines) == 0 and int(state.spike_streak) == 100
+    else:
+        assert skipped == [False] * 8 + [True] * cost + [False] * (100 - cost)
+        assert int(state.spike_rebaselines) == 1 and int(state.spike_skips) == cost
+
+
 def test_skip_spikes_nan_resets_a_run_and_never_enters_it():
     opt = skip_spikes(optax.sgd(1.0), watch=("loss",), rebaseline_after=3)
     step = jit_update(opt)
@@ -564,7 +608,7 @@ def test_helpers_without_guards_and_through_wrappers():
             lambda learning_rate: skip_spikes(optax.sgd(learning_rate), watch=("grad_norm",))
         )(learning_rate=0.1),
     )
-    opt = optax.MultiSteps(opt, 1)
+    opt = optax.MultiSteps(opt, 1, should_skip_update_fn=stabljax.skip_nonfinite_micro_batch)
     state = opt.init(params)
     step = jax.jit(opt.update)
     g = {"w": jnp.array([1.0, 1.0])}
@@ -632,8 +676,10 @@ def test_inside_inject_hyperparams():
 def test_with_multisteps():
     params = {"dense": {"w": jnp.ones((4, 6))}, "b": jnp.zeros((3,))}
     grads = [random_grads_like(params, seed=t) for t in range(4)]
-    # Guard inside MultiSteps equals MultiSteps of the bare optimizer on finite steps.
-    inside = optax.MultiSteps(skip_nonfinite(optax.adam(1e-2)), 2)
+    # Guard inside MultiSteps (which drops non-finite micro-batches; without that filter
+    # init raises, tests/test_multisteps_guards.py) equals MultiSteps of the bare optimizer.
+    drop = stabljax.skip_nonfinite_micro_batch
+    inside = optax.MultiSteps(skip_nonfinite(optax.adam(1e-2)), 2, should_skip_update_fn=drop)
     bare = optax.MultiSteps(optax.adam(1e-2), 2)
     i_step, b_step = jax.jit(inside.update), jax.jit(bare.update)
     i_state, b_state = inside.init(params), bare.init(params)
@@ -641,11 +687,13 @@ def test_with_multisteps():
         iu, i_state = i_step(g, i_state, params)
         bu, b_state = b_step(g, b_state, params)
         chex.assert_trees_all_close(iu, bu, rtol=0, atol=0)
-    # A NaN mini-step inside never reaches the output. (MultiSteps resets its accumulator
-    # by multiplying by 0, so the NaN stays in it: put the guard around MultiSteps.)
-    for g in (poison(grads[0], jnp.nan), *grads):
+    # A NaN mini-step inside is dropped: the next two finite ones emit as the bare one does.
+    iu, i_state = i_step(poison(grads[0], jnp.nan), i_state, params)
+    assert_exact_zeros(iu)
+    for g in grads:
         iu, i_state = i_step(g, i_state, params)
-        chex.assert_tree_all_finite(iu)
+        bu, b_state = b_step(g, b_state, params)
+        chex.assert_trees_all_close(iu, bu, rtol=0, atol=0)
 
     # Guard around MultiSteps: a NaN mini-step leaves the accumulator untouched, and
     # value= is forwarded through MultiSteps to a nested skip_spikes.
@@ -753,6 +801,11 @@ def test_sharded_equals_unsharded_and_one_global_decision():
         ({"rebaseline_after": 2.5}, "rebaseline_after"),
         ({"rebaseline_max_ratio": 1.0}, "rebaseline_max_ratio"),
         ({"rebaseline_max_ratio": float("nan")}, "rebaseline_max_ratio"),
+        ({"rebaseline_ratio": 1.0}, "rebaseline_ratio"),
+        ({"rebaseline_ratio": float("nan")}, "rebaseline_ratio"),
+        ({"rebaseline_max_after": 5}, "rebaseline_max_after"),
+        ({"rebaseline_max_after": 64.0}, "rebaseline_max_after"),
+        ({"rebaseline_after": None, "rebaseline_max_after": 1}, "rebaseline_max_after"),
         ({"warmup_steps": 2.5}, "warmup_steps"),
         ({"watch": ()}, "watch"),
         ({"watch": ("loss", "accuracy")}, "watch"),
@@ -770,6 +823,7 @@ def test_skip_spikes_valid_edge_hyperparameters():
         {"warmup_steps": 2, "window": 8},
         {"rebaseline_after": None, "z_threshold": 0.1},
         {"rebaseline_after": 2, "rebaseline_max_ratio": 1.01},
+        {"rebaseline_after": 8, "rebaseline_max_after": 8, "rebaseline_ratio": 1.01},
     )
     for kwargs in edges:
         opt = skip_spikes(optax.sgd(0.1), watch=("grad_norm",), **kwargs)

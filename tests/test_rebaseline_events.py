@@ -43,7 +43,9 @@ def _loss(params, batch):
 
 
 OPT = skip_nonfinite(
-    skip_spikes(optax.sgd(1e-2), warmup_steps=8, watch=("loss",), rebaseline_after=3)
+    skip_spikes(
+        optax.sgd(1e-2), warmup_steps=8, watch=("loss",), rebaseline_after=3, rebaseline_ratio=4.0
+    )
 )
 STEP = make_train_step(_loss, OPT)
 

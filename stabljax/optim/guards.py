@@ -8,6 +8,8 @@ The two helpers :func:`any_skipped` and :func:`skip_streak` read the guards'
 flags anywhere in an optimizer state (through ``optax.chain``,
 ``optax.inject_hyperparams``, ``optax.MultiSteps`` and nested guards); the train
 step reports them as ``metrics["skipped"]`` and ``metrics["skip_streak"]``.
+:func:`skip_nonfinite_micro_batch` is ``optax.MultiSteps``' ``should_skip_update_fn``
+that lets a guard sit inside it (see :mod:`stabljax.optim.guard_multisteps`).
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from stabljax.optim.guard_core import (
     SpikeRule,
     skip_step,
 )
+from stabljax.optim.guard_multisteps import MICRO_BATCH_SKIPPED, skip_nonfinite_micro_batch
 
 __all__ = [
     "SkipNonfiniteState",
@@ -34,6 +37,7 @@ __all__ = [
     "SpikeRule",
     "any_skipped",
     "skip_nonfinite",
+    "skip_nonfinite_micro_batch",
     "skip_spikes",
     "skip_step",
     "skip_streak",
@@ -111,17 +115,18 @@ def skip_spikes(
     watch: Sequence[str] = ("loss", "grad_norm"),
     rebaseline_after: int | None = 6,
     rebaseline_max_ratio: float = 4.0,
+    rebaseline_ratio: float = 2.5,
+    rebaseline_max_after: int = 64,
     check_update: bool = False,
     axis_name: AxisName | None = None,
 ) -> optax.GradientTransformationExtraArgs:
     r"""Skips the whole step when the loss or the gradient norm spikes above its recent level.
 
-    :func:`skip_step` with ``spikes=SpikeRule(z_threshold, window, warmup_steps, watch,
-    rebaseline_after, rebaseline_max_ratio)``; see :class:`SpikeRule` for the statistics
-    (log space, a median level over the last 16 accepted values, a tail scale over the last
-    ``window`` residuals, all on device). The watched values are ``"loss"`` (the
-    ``value=`` extra argument) and ``"grad_norm"`` (the global norm of the
-    incoming gradients, in float32). The step is skipped when
+    :func:`skip_step` with ``spikes=SpikeRule(...)`` of these arguments; see
+    :class:`SpikeRule` for the statistics (log space, a median level over the last 16
+    accepted values, a tail scale over the last ``window`` residuals, all on device). The
+    watched values are ``"loss"`` (the ``value=`` extra argument) and ``"grad_norm"`` (the
+    global norm of the incoming gradients, in float32). The step is skipped when
 
     * the gradient norm, or a watched objective, is NaN or Inf (always), or
     * :math:`n \ge` ``warmup_steps`` accepted steps have been gathered and any
@@ -130,12 +135,15 @@ def skip_spikes(
     Only accepted steps with finite values enter the windows: a skipped spike or a NaN
     never does (the flaw of MaxText's and Levanter's ports, where one NaN poisons the next
     window), so a normal step right after it is not skipped. A skipped step returns exact
-    zeros and keeps the inner state bit-for-bit. ``rebaseline_after`` consecutive spikes
-    that agree with each other (a level shift, not an outlier; see :class:`SpikeRule`)
-    re-baseline the level and count in ``spike_rebaselines``, so a permanent 2× shift costs
-    that many skipped steps instead of a stall. A larger jump, or a flagged step repeating
-    on a deterministic objective that does not agree, keeps ``spike_streak`` growing for a
-    controller (rollback with a data skip) to act on.
+    zeros and keeps the inner state bit-for-bit. A run of consecutive spikes that agree
+    with each other (a level shift, not an outlier; see :class:`SpikeRule`) re-baselines the
+    level and counts in ``spike_rebaselines``: after ``rebaseline_after`` steps when it sits
+    at most ``rebaseline_ratio`` above the level (a permanent 2× shift costs 6 skipped steps
+    instead of a stall), after ``rebaseline_max_after`` steps when it sits at most
+    ``rebaseline_max_ratio`` above, so a shorter, higher garbage window (30 steps at 3.4×) is
+    skipped whole. A larger jump, or a flagged step repeating on a deterministic objective
+    that does not agree, keeps ``spike_streak`` growing for a controller (rollback with a
+    data skip) to act on.
 
     Args:
       inner: the transformation to guard, e.g. a whole optimizer.
@@ -145,10 +153,14 @@ def skip_spikes(
       warmup_steps: accepted steps during which values are only gathered; an int >= 2.
       watch: a non-empty tuple of distinct names from ``("loss", "grad_norm")``. With
         ``"loss"`` watched, ``update`` must be given the objective (a scalar).
-      rebaseline_after: consecutive agreeing spikes that re-baseline the level; an int
-        >= 2, or None to never re-baseline.
-      rebaseline_max_ratio: the largest jump a re-baseline absorbs, as a ratio to the
+      rebaseline_after: consecutive agreeing spikes that re-baseline the level when they
+        sit at most ``rebaseline_ratio`` above it; an int >= 2, or None to never re-baseline.
+      rebaseline_max_ratio: the largest jump a re-baseline ever absorbs, as a ratio to the
         level; > 1.
+      rebaseline_ratio: the largest jump absorbed after ``rebaseline_after`` steps (at most
+        ``rebaseline_max_ratio`` is used); > 1.
+      rebaseline_max_after: the run length after which jumps up to
+        ``rebaseline_max_ratio`` are absorbed; an int >= ``rebaseline_after``.
       check_update: also skip when the inner update is non-finite (see
         :func:`skip_step`).
       axis_name: the ``shard_map``/``pmap`` axes the gradients are sharded over.
@@ -201,6 +213,8 @@ def skip_spikes(
         watch=watch,
         rebaseline_after=rebaseline_after,
         rebaseline_max_ratio=rebaseline_max_ratio,
+        rebaseline_ratio=rebaseline_ratio,
+        rebaseline_max_after=rebaseline_max_after,
     )
     # The gradient norm is always checked; the objective only when watched, so that a
     # grad-norm-only guard works on steps whose loss is not (yet) meaningful.
@@ -224,8 +238,11 @@ def _found(opt_state: optax.OptState, names: tuple[str, ...]) -> list[jax.Array]
 def any_skipped(opt_state: optax.OptState) -> jax.Array:
     """Whether any guard in an optimizer state skipped its last step.
 
-    ORs every ``nonfinite_skipped`` (:func:`skip_nonfinite`) and ``spike_skipped``
-    (:func:`skip_spikes`) field found anywhere in ``opt_state`` with
+    ORs every ``nonfinite_skipped`` (:func:`skip_nonfinite`), ``spike_skipped``
+    (:func:`skip_spikes`), ``micro_batch_skipped`` (a micro-batch
+    :func:`skip_nonfinite_micro_batch` dropped) and ``should_skip`` (one that optax's
+    ``skip_not_finite`` or ``skip_large_updates`` dropped) field found anywhere in
+    ``opt_state`` with
     :func:`optax.tree.get_all_with_path`, so it looks through ``optax.chain``,
     ``optax.inject_hyperparams``, ``optax.MultiSteps`` (where the flags describe the
     last emitted update) and nested guards. Runs under ``jax.jit``.
@@ -246,7 +263,8 @@ def any_skipped(opt_state: optax.OptState) -> jax.Array:
       >>> print(bool(any_skipped(state)), bool(any_skipped(optax.adam(1e-3).init(jnp.zeros(2)))))
       True False
     """
-    flags = [jnp.any(v) for v in _found(opt_state, ("nonfinite_skipped", "spike_skipped"))]
+    names = ("nonfinite_skipped", "spike_skipped", MICRO_BATCH_SKIPPED, "should_skip")
+    flags = [jnp.any(v) for v in _found(opt_state, names)]
     return functools.reduce(jnp.logical_or, flags, jnp.zeros([], jnp.bool_))
 
 
