@@ -30,9 +30,9 @@ from stabljax.control.data import DataIterator as DataIterator
 from stabljax.control.data import GrainDatasetIterator as GrainDatasetIterator
 from stabljax.control.data import GrainLoaderIterator as GrainLoaderIterator
 from stabljax.control.data import IndexedBatches as IndexedBatches
-from stabljax.control.detectors import DivergenceDetector as DivergenceDetector
-from stabljax.control.detectors import SlowDivergenceDetector as SlowDivergenceDetector
 from stabljax.control.detectors import SpikeDetector as SpikeDetector
+from stabljax.control.drift import DivergenceDetector as DivergenceDetector
+from stabljax.control.drift import SlowDivergenceDetector as SlowDivergenceDetector
 from stabljax.control.errors import TrainingDiverged as TrainingDiverged
 from stabljax.control.triage import TriageConfig as TriageConfig
 from stabljax.losses import cross_entropy_with_z_loss as cross_entropy_with_z_loss

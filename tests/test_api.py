@@ -134,7 +134,8 @@ for name in names:
     module = importlib.import_module(name)
     for attr in getattr(module, "__all__", ()):
         getattr(module, attr)
-assert "stabljax.control.lifecycle" in names, names
+assert "stabljax.control.controller" in names, names
+assert "stabljax.control.lifecycle" not in sys.modules, names
 print(len(names))
 """
     out = subprocess.run(

@@ -128,7 +128,7 @@ def test_the_optimizers_named_in_remedies_exist():
 
     import stabljax
     from stabljax.control.attribution import REMEDY
-    from stabljax.control.ledger import ADVICE
+    from stabljax.control.policy import ADVICE
 
     names = set()
     for text in [ADVICE, *REMEDY.values()]:

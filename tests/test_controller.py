@@ -530,11 +530,21 @@ def test_misuse_is_a_clear_error(tmp_path):
         {"rollback_margin": -1},
         {"extra_skip": 1.5},
         {"max_rollbacks": -1},
+        {"save_every": float("nan")},
+        {"keep": float("inf")},
+        {"rollback_margin": True},
+        {"extra_skip": None},
+        {"max_rollbacks": float("inf")},
     ],
 )
 def test_invalid_arguments(tmp_path, kwargs):
     with pytest.raises(ValueError, match=next(iter(kwargs))):
         RollbackController(tmp_path, **kwargs)
+
+
+def test_max_rollbacks_none_is_unlimited(tmp_path):
+    ctl, _, _ = _run(tmp_path, 60, batch_fn_factory(BAD), max_rollbacks=None)
+    assert ctl.max_rollbacks is None and ctl.rollbacks == 1
 
 
 def test_duplicate_detector_names(tmp_path):

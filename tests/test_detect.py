@@ -12,16 +12,9 @@ import numpy as np
 import optax
 import pytest
 
-from stabljax.control.detect import (
-    Detector,
-    DivergenceDetector,
-    SlowDivergenceDetector,
-    SpikeDetector,
-    default_detectors,
-    mann_kendall,
-    mann_kendall_hamed_rao,
-    sen_slope,
-)
+from stabljax.control.detectors import Detector, SpikeDetector
+from stabljax.control.drift import DivergenceDetector, SlowDivergenceDetector, default_detectors
+from stabljax.control.trends import mann_kendall, mann_kendall_hamed_rao, sen_slope
 from stabljax.optim.guards import any_skipped, skip_nonfinite, skip_spikes, skip_streak
 
 

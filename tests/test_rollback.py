@@ -13,7 +13,6 @@ import pytest
 
 from stabljax.control.data import IndexedBatches, PlainIterator
 from stabljax.control.detectors import Detection
-from stabljax.control.errors import DataExhausted
 from stabljax.control.rollback import (
     ADVICE,
     HISTORY,
@@ -22,7 +21,6 @@ from stabljax.control.rollback import (
     decide,
     diverged_message,
     losses_before,
-    place,
     read_record,
 )
 
@@ -193,14 +191,15 @@ def test_a_raising_detection_gives_up_even_with_rollbacks_left():
     assert decision.headline == "Training stopped at step 25: a detector raised."
 
 
-# ----------------------------------------------------------------------------- place
+# ---------------------------------------------------------------------- the data position
+# DataIterator.restore is the one writer of the data position after a checkpoint is read.
 
 
-def test_place_moves_forward_and_back():
+def test_restore_moves_forward_and_back():
     data = IndexedBatches(lambda i: i)
-    place(data, 12, state=None, step=0)
+    data.restore(12, [])
     assert data.index == 12 and next(data) == 12
-    place(data, 4, state=None, step=13)  # a narrowed skip goes back
+    data.restore(4, [])  # a narrowed skip goes back
     assert data.index == 4 and next(data) == 4
 
 
@@ -228,23 +227,28 @@ class _Recorded(IndexedBatches):
         super().rewind(index)
 
 
-def test_place_applies_the_saved_data_state_first_then_moves():
+def test_restore_applies_the_saved_data_state_first_then_moves():
     data = _Recorded(start=50)
-    place(data, 30, state=None, step=20, saved=(20, {"index": 20}))
+    data.restore(30, [(31, 33)], state={"index": 20})
     assert data.calls == [("set_state", {"index": 20}), ("set_index", 20), ("seek", 30)]
-    # Without a data state (a Grain iterator Orbax restored in place) only the index is set.
+    assert data.skipped_ranges == [(31, 33)] and [next(data) for _ in range(2)] == [30, 33]
     data = _Recorded(start=50)
-    place(data, 25, state=None, step=20, saved=(20, None))
-    assert data.calls == [("set_index", 20), ("seek", 25)]
-    data = _Recorded(start=50)
-    place(data, 25, state=None, step=20)
+    data.restore(25, [])
     assert data.calls == [("rewind", 25)] and next(data) == 25
 
 
-def test_place_past_the_end_of_the_data_is_data_exhausted_with_the_state():
+def test_restore_replaces_the_skipped_ranges():
+    data = IndexedBatches(lambda i: i)
+    data.restore(0, [(2, 4)])
+    data.restore(0, [(1, 2), (5, 6)])
+    assert [next(data) for _ in range(4)] == [0, 2, 3, 4]
+
+
+def test_restore_past_the_end_of_the_data_stops():
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # a plain iterator warns that skipping drains
         data = PlainIterator(iter(range(10)), warn=False)
-    with pytest.raises(DataExhausted, match="ran out moving to batch 12 at step 30") as info:
-        place(data, 12, state="the state", step=30)
-    assert info.value.state == "the state"
+    with pytest.raises(StopIteration):
+        data.restore(12, [])
+    with pytest.raises(ValueError, match="cannot move back"):
+        PlainIterator(iter(range(10)), start=5, warn=False).restore(2, [])

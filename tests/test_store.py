@@ -18,18 +18,20 @@ from helpers import host
 
 from stabljax.control.data import IndexedBatches
 from stabljax.control.errors import CheckpointMismatch
-from stabljax.control.store import (
-    CORRUPT,
+from stabljax.control.integrity import (
     META_VERSION,
-    CheckpointStore,
-    atomic_write_json,
     check_compatible,
-    data_item,
     describe_mismatch,
     fingerprint,
-    host_scalars,
     leaf_specs,
     meta_digest,
+)
+from stabljax.control.store import (
+    CORRUPT,
+    CheckpointStore,
+    atomic_write_json,
+    data_item,
+    host_scalars,
     try_everywhere,
 )
 
@@ -191,8 +193,7 @@ def _write(store, state, step, *, print_of=None, kept=None):
 
 def _restore(store, state, step, *, verify=True):
     abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, state)
-    item = data_item(IndexedBatches(lambda i: i), restore=True)
-    return store.restore(step, abstract, item, verify=verify)
+    return store.restore(step, abstract, IndexedBatches(lambda i: i), verify=verify)
 
 
 def test_a_checkpoint_reads_back_bit_for_bit_with_its_meta_and_data_position(store, toy):
@@ -255,8 +256,10 @@ def test_the_first_restorable_sets_aside_the_unreadable_ones_before_it(store, to
         _write(store, _at(toy[0], step), step)
     (store.directory / "30" / "meta" / "metadata").write_text('{"version": 1, "st')
     store.events.clear()
-    found = store.first_restorable([30, 20, 10], lambda s: _restore(store, toy[0], s)[1])
-    assert found is not None and found[0] == 20 and found[1]["step"] == 20
+    abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, toy[0])
+    found = store.first_restorable([30, 20, 10], abstract, verify=True)
+    assert found is not None and found[0] == 20 and found[1][1]["step"] == 20
+    assert int(found[1][0].step) == 20 and found[1][2] is None  # no data item asked for
     assert [(k, s) for k, s, _ in store.events] == [("corrupt_checkpoint", 30)]
     assert store.steps() == [10, 20]
     assert [p.name.split("-")[0] for p in (store.directory / CORRUPT).iterdir()] == ["30"]
@@ -274,3 +277,30 @@ def test_retention_and_rollback_deletion(store, toy):
     store.close()
     trash = [p for p in store.directory.iterdir() if p.name.startswith("stabljax-trash")]
     assert trash == []  # the sweeps removed what was deleted
+
+
+def test_a_grain_position_is_read_without_touching_the_live_iterator(store, toy):
+    """The store returns Grain's saved state; only DataIterator.restore applies it."""
+    import grain
+
+    from stabljax.control.data import as_data_iterator
+
+    def make():
+        return as_data_iterator(iter(grain.MapDataset.range(1000)))
+
+    data = make()
+    for _ in range(7):
+        next(data)
+    state = _at(toy[0], 10)
+    meta = {"version": META_VERSION, "step": 10, "data_index": data.index}
+    args = (fingerprint(state), meta, data_item(data, restore=False), 10.0)
+    store.write(10, state, *args, wait=True, kept=store.steps, resume_only=False)
+    live = make()
+    for _ in range(3):
+        next(live)
+    abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, state)
+    _, got_meta, saved = store.restore(10, abstract, live, verify=True)
+    assert live.index == 3 and next(live) == 3  # untouched by the read
+    assert saved["index"] == 7 == got_meta["data_index"] and "grain" in saved
+    live.restore(7, [(8, 10)], state=saved)
+    assert live.index == 7 and [next(live) for _ in range(2)] == [7, 10]

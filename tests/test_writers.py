@@ -12,7 +12,7 @@ from toy import batch_fn_factory, toy_problem
 from toy import toy_controller as _controller
 
 from stabljax.control import IndexedBatches, JsonlMetricsWriter
-from stabljax.control.writers import TensorBoardMetricsWriter, host_metrics
+from stabljax.control.events import TensorBoardMetricsWriter, host_metrics
 
 STATE0, STEP = toy_problem()
 

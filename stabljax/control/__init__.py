@@ -12,6 +12,9 @@ an index) and the event log.
 * :class:`Event`, :class:`EventLog`, :func:`read_events` — the event records and
   ``events.jsonl`` (versioned: :data:`SCHEMA_VERSION`, docs/events.md).
 * :class:`TriageConfig` — after a rollback, replay the window to classify the spike.
+* :class:`RollbackInfo`, :func:`lower_lr`, :func:`scale_hyperparam`,
+  :func:`reset_second_moment`, :func:`by_verdict`, :func:`chain_remedies` — remedies: what a
+  rollback changes in the restored state (``RollbackController(remedy=...)``).
 
 The modules, one floor each: :mod:`~stabljax.control.errors` (exceptions, warnings),
 :mod:`~stabljax.control.data` (iterators), :mod:`~stabljax.control.detectors`,
@@ -24,30 +27,19 @@ names of these modules (``stabljax.control.checkpoints``, ``.detect``, ``.lifecy
 are plain ``sys.modules`` aliases, with no warning.
 """
 
-import sys as _sys
-
-from stabljax.control import controller as _controller
-from stabljax.control import detectors as _detectors
-from stabljax.control import events as _events
-from stabljax.control import rollback as _rollback
-from stabljax.control import store as _store
 from stabljax.control.controller import RollbackController as RollbackController
-from stabljax.control.controller import RunResult as RunResult
 from stabljax.control.data import DataIterator as DataIterator
 from stabljax.control.data import GrainDatasetIterator as GrainDatasetIterator
 from stabljax.control.data import GrainLoaderIterator as GrainLoaderIterator
 from stabljax.control.data import IndexedBatches as IndexedBatches
 from stabljax.control.data import PlainIterator as PlainIterator
 from stabljax.control.data import as_data_iterator as as_data_iterator
-from stabljax.control.data import merge_ranges as merge_ranges
 from stabljax.control.detectors import Detection as Detection
 from stabljax.control.detectors import Detector as Detector
-from stabljax.control.detectors import DivergenceDetector as DivergenceDetector
-from stabljax.control.detectors import SlowDivergenceDetector as SlowDivergenceDetector
 from stabljax.control.detectors import SpikeDetector as SpikeDetector
-from stabljax.control.detectors import default_detectors as default_detectors
-from stabljax.control.detectors import mann_kendall as mann_kendall
-from stabljax.control.detectors import sen_slope as sen_slope
+from stabljax.control.drift import DivergenceDetector as DivergenceDetector
+from stabljax.control.drift import SlowDivergenceDetector as SlowDivergenceDetector
+from stabljax.control.drift import default_detectors as default_detectors
 from stabljax.control.errors import CheckpointMismatch as CheckpointMismatch
 from stabljax.control.errors import CheckpointSaveError as CheckpointSaveError
 from stabljax.control.errors import DataExhausted as DataExhausted
@@ -62,29 +54,18 @@ from stabljax.control.events import EventSchemaError as EventSchemaError
 from stabljax.control.events import JsonlMetricsWriter as JsonlMetricsWriter
 from stabljax.control.events import TensorBoardMetricsWriter as TensorBoardMetricsWriter
 from stabljax.control.events import read_events as read_events
+from stabljax.control.policy import merge_ranges as merge_ranges
+from stabljax.control.remedies import Remedy as Remedy
+from stabljax.control.remedies import RollbackInfo as RollbackInfo
+from stabljax.control.remedies import by_verdict as by_verdict
+from stabljax.control.remedies import chain_remedies as chain_remedies
+from stabljax.control.remedies import lower_lr as lower_lr
+from stabljax.control.remedies import reset_second_moment as reset_second_moment
+from stabljax.control.remedies import scale_hyperparam as scale_hyperparam
+from stabljax.control.session import RunResult as RunResult
+from stabljax.control.trends import mann_kendall as mann_kendall
+from stabljax.control.trends import sen_slope as sen_slope
 from stabljax.control.triage import TriageConfig as TriageConfig
-
-# Each alias is the module itself, so `from stabljax.control.checkpoints import
-# CheckpointStore` and monkeypatching `stabljax.control.checkpoints.X` reach the real thing.
-_OLD_PATHS = {
-    "checkpoints": _store,
-    "detect": _detectors,
-    "detection": _detectors,
-    "divergence": _detectors,
-    "host": _store,
-    "ledger": _rollback,
-    "lifecycle": _controller,
-    "meta": _store,
-    "recovery": _rollback,
-    "saving": _store,
-    "slow": _detectors,
-    "spike": _detectors,
-    "trend": _detectors,
-    "writers": _events,
-}
-for _old, _module in _OLD_PATHS.items():
-    _sys.modules[f"{__name__}.{_old}"] = _module
-    globals()[_old] = _module
 
 __all__ = (
     "EVENT_KINDS",
@@ -106,7 +87,9 @@ __all__ = (
     "JsonlMetricsWriter",
     "PlainIterator",
     "Preempted",
+    "Remedy",
     "RollbackController",
+    "RollbackInfo",
     "RunResult",
     "SlowDivergenceDetector",
     "SpikeDetector",
@@ -114,9 +97,14 @@ __all__ = (
     "TrainingDiverged",
     "TriageConfig",
     "as_data_iterator",
+    "by_verdict",
+    "chain_remedies",
     "default_detectors",
+    "lower_lr",
     "mann_kendall",
     "merge_ranges",
     "read_events",
+    "reset_second_moment",
+    "scale_hyperparam",
     "sen_slope",
 )

@@ -4,15 +4,8 @@
 :mod:`~stabljax.control.store` (checkpoints), :mod:`~stabljax.control.rollback` (resume,
 roll back, the data position), :mod:`~stabljax.control.policy` (pure decisions) and
 :mod:`~stabljax.control.monitor` (detectors). Here too is the controller's life in an
-operator's world:
-
-* :class:`DirectoryLock`: an advisory ``fcntl.flock`` on ``stabljax.lock`` (process 0;
-  ``stabljax.lock.<i>`` for process ``i``), so a second job on the same directory is
-  refused; the kernel drops it when its holder dies.
-* :class:`PreemptionWatch`: SIGTERM (and SIGINT, if asked) asks to stop at the next step
-  boundary; on several processes JAX's preemption sync point decides, by ``state.step``.
-* :class:`RunResult` (how a run ended), :func:`drive` (the loop of ``run``) and the
-  progress bar.
+operator's world (the directory lock, preemption, the run loop) is
+:mod:`~stabljax.control.session`.
 
 References:
   Chowdhery et al., `PaLM: Scaling Language Modeling with Pathways
@@ -21,337 +14,43 @@ References:
 
 from __future__ import annotations
 
-import dataclasses
-import errno
-import fcntl
 import functools
-import gc
 import os
 import pathlib
 import signal
-import socket
-import sys
-import threading
-import weakref
-from collections.abc import Callable, Iterable, Mapping, Sequence
+import time
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import jax
-import numpy as np
 import orbax.checkpoint as ocp
-from jax.experimental import multihost_utils
 
 from stabljax.control import policy
 from stabljax.control import rollback as rb
 from stabljax.control import store as ck
 from stabljax.control import triage as tr
 from stabljax.control.data import DataIterator, as_data_iterator
-from stabljax.control.detectors import Detection, Detector, default_detectors
+from stabljax.control.detectors import Detection, Detector
+from stabljax.control.drift import default_detectors
 from stabljax.control.errors import DataExhausted, Preempted
 from stabljax.control.errors import warn as warn
-from stabljax.control.events import Event, EventLog, host_metrics
+from stabljax.control.events import Event, EventLog
+from stabljax.control.integrity import jsonable, state_bytes
 from stabljax.control.monitor import Monitor
-from stabljax.control.rollback import RECORD, Ledger
-from stabljax.control.store import Saver
-
-# --------------------------------------------------------------------------------------- lifecycle
-# The controller's life in an operator's world: one job per directory, preemption,
-
-
-@dataclasses.dataclass(frozen=True)
-class RunResult:
-    """How :meth:`RollbackController.run` ended (``ctl.last_run``).
-
-    Attributes:
-      step: ``state.step`` at the end.
-      target: the ``num_steps`` asked for.
-      reached: ``step == target``.
-      preempted: a preemption signal stopped it (the state was saved). A signal that lands
-        in the last step gives ``preempted`` and ``reached`` both: saved at the target.
-      data_exhausted: the data ran out (``StopIteration``, or ``IndexError`` from a
-        ``batch_fn``) before the target, possibly inside a rollback's skip.
-    """
-
-    step: int
-    target: int
-    reached: bool
-    preempted: bool = False
-    data_exhausted: bool = False
-
-
-class DirectoryLock:
-    """An exclusive advisory lock on ``directory/stabljax.lock[.<process>]``."""
-
-    def __init__(self, directory: pathlib.Path):
-        i = jax.process_index()
-        self.path = directory / ("stabljax.lock" if i == 0 else f"stabljax.lock.{i}")
-        self._fd: int | None = None
-
-    def acquire(self) -> None:
-        for attempt in range(2):
-            fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except OSError as e:
-                os.close(fd)
-                if e.errno not in (errno.EAGAIN, errno.EACCES, errno.EWOULDBLOCK):
-                    raise
-                if attempt == 0:
-                    gc.collect()  # an unreachable controller of this process may hold it
-                    continue
-                try:
-                    holder = self.path.read_text().strip() or "unknown"
-                except OSError:
-                    holder = "unknown"
-                raise RuntimeError(
-                    f"checkpoint directory {str(self.path.parent)!r} is already in use by "
-                    f"another RollbackController (lock {self.path.name} held by {holder}); "
-                    "two jobs on one directory would race on saves and deletes. Stop the "
-                    "other job, close() the other controller, or use another directory."
-                ) from e
-            os.ftruncate(fd, 0)
-            os.write(fd, f"pid {os.getpid()} on {socket.gethostname()}\n".encode())
-            self._fd = fd
-            return
-
-    def release(self) -> None:
-        fd, self._fd = getattr(self, "_fd", None), None
-        if fd is not None:
-            try:
-                fcntl.flock(fd, fcntl.LOCK_UN)
-            finally:
-                os.close(fd)
-
-    @property
-    def held(self) -> bool:
-        return self._fd is not None
-
-    def __del__(self):  # a controller dropped without close() frees its directory
-        try:
-            self.release()
-        except Exception:  # noqa: BLE001 - at interpreter exit os/fcntl may be gone already
-            pass
-
-
-_OPEN: weakref.WeakSet = weakref.WeakSet()  # controllers to close at interpreter exit
-_HOOKED = False
-
-
-def close_at_exit(controller: Any) -> None:
-    """Closes ``controller`` at interpreter exit if nothing else did.
-
-    A hand-written loop that dies of an exception never calls ``close()``, and by the
-    time ``atexit`` hooks run, ``concurrent.futures`` refuses new work, so Orbax abandons
-    the async save in flight ("cannot schedule new futures after interpreter shutdown")
-    and the restart resumes one ``save_every`` earlier. ``threading``'s exit hooks run
-    before that (last registered first), so the save in flight is finished there. Only a
-    weak reference is held.
-    """
-    global _HOOKED
-    if not _HOOKED:
-        try:
-            threading._register_atexit(_close_open)  # what concurrent.futures itself uses
-        except (AttributeError, RuntimeError):  # another Python, or already shutting down
-            import atexit
-
-            atexit.register(_close_open)
-        _HOOKED = True
-    _OPEN.add(controller)
-
-
-def _close_open() -> None:
-    for controller in list(_OPEN):
-        try:
-            controller.close(quiet=True)
-        except BaseException:  # noqa: BLE001 - nothing may be raised at exit
-            pass
-
-
-class PreemptionWatch:
-    """A stop request from a signal (one process) or JAX's preemption sync point."""
-
-    def __init__(self, signals: Iterable[int]):
-        self.signals = tuple(signal.Signals(s) for s in signals)
-        for s in self.signals:
-            if s in (signal.SIGKILL, signal.SIGSTOP):
-                raise ValueError(f"preemption_signals: {s.name} cannot be caught")
-        self.signum: int | None = None
-        self._previous: dict[int, Any] = {}
-        self._sync = False  # JAX's preemption service decides (several processes)
-        self._probed = False
-
-    def install(self, step: int) -> None:
-        """Installs the handlers (main thread only); on several processes, asks JAX whether
-        its preemption service runs, with ``step`` (the restored ``state.step``)."""
-        self.signum = None
-        if jax.process_count() > 1 and not self._probed:
-            self._probed = True
-            try:
-                multihost_utils.reached_preemption_sync_point(int(step))
-                self._sync = True
-            except RuntimeError:
-                self._sync = False
-        if self._previous or threading.current_thread() is not threading.main_thread():
-            return
-        for s in self.signals:
-            if self._sync and s == signal.SIGTERM:
-                continue  # JAX's preemption notifier owns SIGTERM
-            self._previous[s] = signal.signal(s, self._handler)
-
-    def _handler(self, signum: int, frame: Any) -> None:
-        if self.signum is not None and signum == signal.SIGINT:
-            raise KeyboardInterrupt  # a second Ctrl-C: stop now
-        self.signum = signum
-
-    def restore(self) -> None:
-        """Puts the previous handlers back."""
-        previous, self._previous = self._previous, {}
-        for s, handler in previous.items():
-            try:
-                signal.signal(s, handler)
-            except (ValueError, TypeError):  # not the main thread / a C handler
-                pass
-
-    def should_stop(self, step: int, *, agree: bool) -> bool:
-        """Whether to stop at step boundary ``step``; call once per step on every process.
-
-        Args:
-          step: ``state.step`` after this step (the step a save here would hold).
-          agree: on several processes without the preemption service, combine the
-            processes' flags now (a collective: the caller does it on save steps only).
-        """
-        if jax.process_count() == 1:
-            return self.signum is not None
-        if self._sync:
-            # JAX stops at (the highest step id any process last gave) + 1, and only when
-            # a process gives exactly that id, so the id must be the same on every process
-            # and must not jump. state.step is both, across restarts too; after a rollback
-            # it goes back, which only delays a notice that came before the rollback. The
-            # store's Orbax manager never calls the sync point (StepManager), so no other
-            # caller feeds it a different id.
-            if multihost_utils.reached_preemption_sync_point(int(step)):
-                self.signum = self.signum or signal.SIGTERM
-                return True
-        if not agree or not self._previous:
-            return False  # no handler of ours: only the sync point can ask
-        flags = multihost_utils.process_allgather(np.asarray(self.signum is not None, np.int32))
-        return bool(flags.any())
-
-
-def drive(
-    ctl: Any,
-    train_step: Any,
-    state: Any,
-    data: Any,
-    target: int,
-    bar: Progress,
-    writer: Any = None,
-    log_every: int = 1,
-):
-    """The loop of ``RollbackController.run``: ``(state, data, preempted, exhausted)``.
-
-    Feeds ``next(data)`` to ``train_step`` and ``ctl.step`` until ``ctl.current_step``
-    reaches ``target``, then ``ctl.finish`` (which may roll back, and the loop goes on).
-    The data running out (``StopIteration``, or :class:`DataExhausted` from a rollback's
-    skip) and :class:`Preempted` end it with the state as saved; anything else propagates.
-    ``writer(step, host_metrics)`` gets every ``log_every``-th step's metrics one step
-    late (after the next step is dispatched), and the last one on the way out.
-    """
-    if isinstance(log_every, bool) or int(log_every) != log_every or log_every < 1:
-        raise ValueError(f"log_every must be an int >= 1, got {log_every!r}")
-    if writer is not None and not callable(writer):
-        raise TypeError(f"metrics_writer must be a callable(step, metrics), got {writer!r}")
-    preempted = exhausted = False
-    pending: tuple[int, Any] | None = None
-
-    def write_pending() -> None:
-        nonlocal pending
-        if pending is not None and writer is not None:
-            writer(pending[0], host_metrics(pending[1]))
-        pending = None
-
-    try:
-        while ctl.current_step < target and not exhausted:
-            try:
-                batch = next(data)
-            except StopIteration:
-                exhausted = True
-                state, data = ctl.finish(state, data)
-                continue
-            step = ctl.current_step
-            state, metrics = train_step(state, batch)
-            write_pending()  # the previous step's: this one is already dispatched
-            if writer is not None and step % log_every == 0:
-                pending = (step, metrics)
-            state, data = ctl.step(state, metrics, data)
-            bar.show(ctl)
-            if ctl.current_step >= target:
-                state, data = ctl.finish(state, data)
-    except Preempted as e:
-        state, preempted = e.state, True
-    except DataExhausted as e:
-        state, exhausted = e.state, True
-    finally:
-        try:
-            write_pending()
-            if writer is not None and callable(getattr(writer, "flush", None)):
-                writer.flush()
-        finally:
-            bar.show(ctl)
-            bar.close()
-    if exhausted:
-        step = ctl.current_step
-        ctl._log("data_exhausted", step, data_index=data.index, target=target)
-        warn(f"the data ran out at step {step} (index {data.index}) of {target}")
-    return state, data, preempted, exhausted
-
-
-class Progress:
-    """tqdm when installed, else a line on stderr every 10%."""
-
-    def __init__(self, total: int, initial: int, *, enabled: bool = True):
-        self._enabled = enabled
-        if not enabled:
-            return
-        try:
-            from tqdm.auto import tqdm
-        except ImportError:  # pragma: no cover - tqdm is an optional dependency
-            tqdm = None
-        self._bar = None
-        if tqdm is not None:
-            self._bar = tqdm(total=total, initial=initial, desc="train", dynamic_ncols=True)
-        self._total, self._last = total, initial
-
-    def show(self, ctl: Any) -> None:
-        """Shows the controller's step, smoothed loss, spikes, rollbacks, skipped batches."""
-        if not self._enabled:
-            return
-        loss = ctl.smoothed_loss
-        postfix = {
-            "loss": "-" if loss is None else f"{loss:.4g}",
-            "spikes": ctl.events.count("spike"),
-            "rollbacks": ctl.rollbacks,
-            "skipped": sum(b - a for a, b in ctl.skipped_ranges),
-        }
-        self.update(ctl.current_step, postfix)
-
-    def update(self, n: int, postfix: Mapping[str, Any]) -> None:
-        if self._bar is not None:
-            if n < self._bar.n:
-                self._bar.n = n
-                self._bar.refresh()
-            else:
-                self._bar.update(n - self._bar.n)
-            self._bar.set_postfix(postfix, refresh=False)
-        elif n >= self._last + max(self._total // 10, 1) or n < self._last:
-            self._last = n
-            items = ", ".join(f"{k}={v}" for k, v in postfix.items())
-            print(f"train {n}/{self._total} {items}", file=sys.stderr, flush=True)
-
-    def close(self) -> None:
-        if self._enabled and self._bar is not None:
-            self._bar.close()
-
+from stabljax.control.policy import Ledger
+from stabljax.control.remedies import RollbackInfo, check_remedy, describe, remedy_event
+from stabljax.control.rollback import RECORD
+from stabljax.control.saver import Saver
+from stabljax.control.session import (
+    DirectoryLock,
+    PreemptionWatch,
+    Progress,
+    RunResult,
+    check_directory,
+    check_state,
+    close_at_exit,
+    drive,
+)
 
 # -------------------------------------------------------------------------------------- controller
 # The rollback controller: PaLM's remedy for loss spikes, made automatic.
@@ -382,9 +81,11 @@ class RollbackController:
       rollback_margin: the target is at least this many steps before the onset (less than
         ``save_every * keep``, else ``ValueError``).
       extra_skip: batches skipped beyond the last one fed before the rollback.
-      detectors: default :func:`~stabljax.control.detectors.default_detectors`. Action
+      detectors: default :func:`~stabljax.control.drift.default_detectors`. Action
         ``"raise"`` raises :class:`TrainingDiverged`; an unknown action is a ``ValueError``.
       max_rollbacks: rollbacks allowed; the next one raises :class:`TrainingDiverged`.
+        ``None``: unlimited. Every integer argument must be an ``int`` (not a bool, a
+        float, NaN or inf) in its range, else a ``ValueError`` naming it.
       async_save: Orbax writes in the background (the host copy is made in :meth:`step`).
       background_save: one process only: a worker thread copies and writes an on-device
         copy of the state; its error is raised by the next call that waits for it.
@@ -397,10 +98,17 @@ class RollbackController:
         rollback under :meth:`run`, replay the window on copies of the state and log a
         ``triage`` event (verdict ``data``/``state``/``nondeterministic``, evidence,
         culprits, attribution). Off by default; ``False`` changes nothing.
+      remedy: ``remedy(state, info) -> state``, applied to the restored state at every
+        rollback (after triage, so ``info.verdict`` is set) before training resumes, and
+        logged as a ``remedy`` event; ``info`` is a
+        :class:`~stabljax.control.remedies.RollbackInfo`. Built-ins in
+        :mod:`~stabljax.control.remedies` (``lower_lr``, ``scale_hyperparam``,
+        ``reset_second_moment``, ``by_verdict``, ``chain_remedies``). A restart that finds
+        only checkpoints from before the last rollback applies it again (``reapplied``).
 
     Attributes:
       directory, events (the :class:`~stabljax.control.events.EventLog`), detectors, and
-      last_run (the :class:`~stabljax.control.controller.RunResult` of :meth:`run`).
+      last_run (the :class:`~stabljax.control.session.RunResult` of :meth:`run`).
 
     Example:
       >>> import tempfile
@@ -436,13 +144,14 @@ class RollbackController:
         rollback_margin: int = 100,
         extra_skip: int = 0,
         detectors: Sequence[Detector] | None = None,
-        max_rollbacks: int = 10,
+        max_rollbacks: int | None = 10,
         async_save: bool = True,
         background_save: bool = False,
         verify: bool = True,
         preemption_signals: Sequence[int] = (signal.SIGTERM,),
         data_config: Any = None,
         triage: bool | tr.TriageConfig = False,
+        remedy: Callable[[Any, RollbackInfo], Any] | None = None,
     ):
         sizes = dict(save_every=save_every, keep=keep, rollback_margin=rollback_margin)
         more = dict(extra_skip=extra_skip, max_rollbacks=max_rollbacks)
@@ -451,13 +160,15 @@ class RollbackController:
         )
         self.save_every, self.keep = int(save_every), int(keep)
         self.rollback_margin, self.extra_skip = int(rollback_margin), int(extra_skip)
-        self.max_rollbacks, self.verify = int(max_rollbacks), bool(verify)
+        self.max_rollbacks = None if max_rollbacks is None else int(max_rollbacks)
+        self.verify = bool(verify)
         self.async_save, self.background_save = bool(async_save), bool(background_save)
-        self.data_config = ck.jsonable(data_config)
+        self.data_config = jsonable(data_config)
         self.triage, self._train_step = tr.as_config(triage), None
+        self.remedy = check_remedy(remedy)
         self.directory = pathlib.Path(directory).absolute()
         self._watch = PreemptionWatch(preemption_signals)
-        ck.check_directory(self.directory)
+        check_directory(self.directory)
         self.events = EventLog(self.directory / "events.jsonl", write=ck.is_primary())
         self._log = functools.partial(_append, self.events)  # no reference back to self
         detectors = default_detectors() if detectors is None else detectors
@@ -480,6 +191,7 @@ class RollbackController:
         except BaseException:
             self._lock.release()
             raise
+        self._store.keeps_best = self._monitor.rolls_back_to_best
         self._saver = Saver(
             self._store, self._monitor, self._log, keep=self.keep, verify=self.verify
         )
@@ -530,7 +242,7 @@ class RollbackController:
         the state (``state`` itself in an empty directory) and a
         :class:`~stabljax.control.data.DataIterator` at the next batch; use it from now on.
         """
-        ck.check_state(state)
+        check_state(state)
         if self._closed:
             self._open()
         self._data = as_data_iterator(data)
@@ -543,25 +255,29 @@ class RollbackController:
             )
         self._abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, state)
         self._saver.data, self._saver.abstract = self._data, self._abstract
-        self._store.state_bytes = ck.state_bytes(self._abstract)
+        self._store.state_bytes = state_bytes(self._abstract)
         self._pending, _ = None, self._monitor.trim(0)
         self._store.clean_leftovers(RECORD)  # waits for saves in flight first
         steps = self._store.steps()
         if not steps:
             self._step = int(ck.to_host(state.step))
             self._watch.install(self._step)
-            self._data.skipped_ranges = self._ledger.ranges
+            self._data.restore(self._data.index, self._ledger.ranges)
             self._save(state, sync=True)
             return state, self._data
         r = rb.resume(self._store, self._saver, self._data_config())
         self._step, self._ledger = self._saver.load(r.meta), r.ledger
         self._watch.install(self._step)
-        self._data.skipped_ranges = r.ledger.ranges
-        rb.place(self._data, r.index, r.state, self._step, saved=r.saved)
+        state = r.state
+        if r.redo is not None and self.remedy is not None:
+            state = rb.reapply_remedy(self.remedy, state, r.redo)
+        self._place(r.index, state, data_state=r.saved)
         self._saver.retain()
         details = dict(skipped_ranges=r.ledger.ranges, rollbacks=r.ledger.rollbacks)
         self._log("restore", self._step, data_index=self._data.index, **r.detail, **details)
-        return r.state, self._data
+        if r.redo is not None and self.remedy is not None:
+            self._log("remedy", r.redo["detected"], **remedy_event(r.redo, reapplied=True))
+        return state, self._data
 
     def step(self, state: Any, metrics: Mapping[str, Any], data: Any) -> tuple[Any, Any]:
         """Records one training step; saves, rolls back or stops when it is time.
@@ -684,9 +400,8 @@ class RollbackController:
         if verdict is None:
             return None
         if verdict.action == "give_up":
-            rb.give_up(
-                verdict.detections, verdict.headline, self._monitor, self._ledger, self._store
-            )
+            losses = self._monitor.losses_before(verdict.detections[0].step)
+            rb.give_up(verdict.detections, verdict.headline, losses, self._ledger, self._store)
         fed_end = self._data.next_index + 1 if early else self._data.index
         return self._rollback(verdict.detections, fed_end)
 
@@ -707,28 +422,131 @@ class RollbackController:
         return state
 
     def _data_config(self) -> Any:
-        return ck.jsonable(self.data_config or getattr(self._data, "config", None))
+        return jsonable(self.data_config or getattr(self._data, "config", None))
 
     def _save(self, state: Any, *, sync: bool = False, resume_only: bool = False) -> None:
         kw = dict(sync=sync, resume_only=resume_only)
         self._saver.maybe_save(self._step, state, self._ledger, self._data_config(), **kw)
 
     def _rollback(self, triggers: Sequence[Detection], fed_end: int) -> Any:
-        cfg = rb.RollbackConfig(
-            margin=self.rollback_margin,
-            extra_skip=self.extra_skip,
-            window=self.save_every * self.keep,
-            max_rollbacks=self.max_rollbacks,
-            triage=self.triage,
-            step_fn=self._train_step,
+        """Carries out a rollback for ``triggers``, crash-safely, in this order.
+
+        Restore the target (:func:`~stabljax.control.policy.restore_order`; an unreadable
+        one is set aside and the next tried), run the hooks on the restored state (triage,
+        then the remedy), plan (:func:`~stabljax.control.policy.plan_rollback`), write the
+        crash record, and only then delete the checkpoints newer than the target; then
+        log the events, take the checkpoint's trajectory and set the data position.
+        A crash before the record leaves nothing that resume reads; one after it is
+        finished on restart.
+
+        Args:
+          triggers: the detections that roll back.
+          fed_end: one past the last data index fed before the rollback.
+        """
+        store, monitor = self._store, self._monitor
+        store.settle()
+        store.retain()
+        steps, onsets = store.steps(), monitor.active_onsets()
+        onset = policy.onset_of(triggers, onsets)
+        detected = max(d.step for d in triggers)
+        to_best = monitor.rolls_back_to_best and all(d.action == "rollback_best" for d in triggers)
+        best = store.best(steps) if to_best else None
+        losses = monitor.losses_before(detected)
+        order, margin_met = policy.restore_order(
+            steps, onset=onset, margin=self.rollback_margin, best=best, exclude=store.resume_only
         )
-        parts = (self._store, self._saver, self._monitor, self._ledger, self._data, cfg)
-        r = rb.roll_back(*parts, triggers=triggers, fed_end=fed_end)
+        found = store.first_restorable(order, self._abstract, verify=self.verify)
+        if found is None:
+            raise RuntimeError(
+                f"rollback at step {detected}: no checkpoint in {store.directory} could be "
+                f"restored (tried {order})"
+            )
+        target, (state, meta, _) = found
+        report = self._triage_hook(target, state, meta, onset)
+        narrow = self.triage is not None and self.triage.narrow_skip
+        window = self.save_every * self.keep
+        cfg = policy.RollbackSettings(self.rollback_margin, self.extra_skip, window, narrow)
+        checkpoint = policy.Target(target, int(meta["data_index"]), margin_met)
+        kw = dict(active_onsets=onsets, losses=losses, triage=report)
+        plan = policy.plan_rollback(triggers, self._ledger, checkpoint, fed_end, cfg, **kw)
+        state, plan = self._remedy_hook(state, plan, triggers)
+        if ck.is_primary():
+            ck.atomic_write_json(store.directory / RECORD, plan.record(time.time()))
+        ck.barrier(f"rollback_record_{plan.ledger.rollbacks}")
+        store.delete_newer_than(target)  # only now: a crash before this is finished on restart
+        self._log_rollback(plan, losses, report)
         # The checkpoint's trajectory (detectors, EMA) comes back; the run ledger moves on,
         # and the losses of the abandoned branch leave the history shown in events.
-        self._step, self._ledger, self._pending = self._saver.load(r.meta), r.ledger, None
-        self._monitor.trim(r.step)
-        self._data.skipped_ranges = r.ledger.ranges
-        rb.place(self._data, r.index, r.state, self._step)
-        self._log("restore", r.step, data_index=self._data.index, reason="rollback")
-        return r.state
+        self._step, self._ledger, self._pending = self._saver.load(meta), plan.ledger, None
+        monitor.trim(target)
+        self._place(plan.resume_at, state)
+        self._log("restore", target, data_index=self._data.index, reason="rollback")
+        return state
+
+    def _triage_hook(self, target: int, state: Any, meta: Any, onset: int) -> Any:
+        """With ``triage``, replays the window on copies of the restored state
+        (:func:`~stabljax.control.triage.for_rollback`) and returns its report."""
+        if self.triage is None:
+            return None
+
+        def read(step: int) -> tuple[Any, dict[str, Any]]:
+            return self._store.restore(step, self._abstract, verify=self.verify)[:2]
+
+        return tr.for_rollback(
+            self.triage,
+            step_fn=self._train_step,
+            data=self._data,
+            steps=self._store.steps(),
+            restore=read,
+            history=list(self._monitor.recent),
+            target=target,
+            state=state,
+            meta=meta,
+            onset=onset,
+            ranges=self._ledger.ranges,
+        )
+
+    def _remedy_hook(self, state: Any, plan: policy.RollbackPlan, triggers: Sequence[Detection]):
+        """With ``remedy``, changes the restored state and records it in the plan's entry
+        (so the crash record carries it and a restart applies it again)."""
+        if self.remedy is None:
+            return state, plan
+        info = RollbackInfo(
+            step=plan.target,
+            onset=plan.onset,
+            rollbacks=plan.ledger.rollbacks,
+            skip=(plan.skip.start, plan.skip.end),
+            verdict=plan.entry.get("verdict"),
+            kinds=tuple(d.kind for d in triggers),
+            detected=plan.detected,
+        )
+        state = self.remedy(state, info)
+        return state, plan.with_remedy(describe(self.remedy, info), info.to_json())
+
+    def _log_rollback(self, plan: policy.RollbackPlan, losses: Any, report: Any) -> None:
+        entry, skip, at = plan.entry, plan.skip, plan.detected
+        self._log(
+            "rollback",
+            at,
+            onset=plan.onset,
+            restored_step=plan.target,
+            margin_met=plan.margin_met,
+            reason=entry["reason"],
+            losses=losses,
+            rollbacks=plan.ledger.rollbacks,
+        )
+        self._log("skip", at, range=entry["range"], length=skip.length, doubled=skip.doubled)
+        if report is not None:
+            self._log("triage", at, narrowed=plan.narrowed, **report)
+        if "remedy" in entry:
+            self._log("remedy", at, **remedy_event(entry, reapplied=False))
+
+    def _place(self, index: int, state: Any, *, data_state: Any = None) -> None:
+        """Sets the data position after a restore (the ledger's ranges); running out is
+        :class:`DataExhausted` with ``state``."""
+        try:
+            self._data.restore(index, self._ledger.ranges, state=data_state)
+        except StopIteration:
+            err = DataExhausted(f"the data ran out moving to batch {index} at step {self._step}")
+            err.state = state
+            raise err from None

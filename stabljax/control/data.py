@@ -22,7 +22,6 @@ passes through it later.
 
 from __future__ import annotations
 
-import bisect
 import json
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
@@ -30,42 +29,8 @@ from typing import Any
 import grain
 
 from stabljax.control.errors import warn as warn_user
-
-
-def merge_ranges(ranges: Iterable[Sequence[int]]) -> list[tuple[int, int]]:
-    """Sorts half-open ``[a, b)`` ranges and merges overlapping or touching ones.
-
-    Args:
-      ranges: pairs ``(a, b)`` of ints with ``0 <= a``; empty ranges (``b <= a``) are
-        dropped.
-
-    Returns:
-      Disjoint, sorted, non-touching ranges as tuples.
-
-    Example:
-      >>> from stabljax.control.data import merge_ranges
-      >>> merge_ranges([(10, 20), (0, 3), (15, 30), (30, 31), (5, 5)])
-      [(0, 3), (10, 31)]
-    """
-    out: list[list[int]] = []
-    for a, b in sorted((int(a), int(b)) for a, b in ranges):
-        if a < 0:
-            raise ValueError(f"range start must be >= 0, got [{a}, {b})")
-        if b <= a:
-            continue
-        if out and a <= out[-1][1]:
-            out[-1][1] = max(out[-1][1], b)
-        else:
-            out.append([a, b])
-    return [(a, b) for a, b in out]
-
-
-def first_allowed(index: int, ranges: Sequence[tuple[int, int]]) -> int:
-    """The smallest index ``>= index`` outside the merged ``ranges``."""
-    k = bisect.bisect_right(ranges, (index, float("inf"))) - 1
-    if k >= 0 and ranges[k][0] <= index < ranges[k][1]:
-        return ranges[k][1]
-    return index
+from stabljax.control.policy import first_allowed as first_allowed
+from stabljax.control.policy import merge_ranges as merge_ranges
 
 
 class DataIterator(Iterator[Any]):
@@ -171,6 +136,39 @@ class DataIterator(Iterator[Any]):
     def set_state(self, state: dict[str, Any]) -> None:
         """Restores :meth:`get_state`'s output."""
         self._set_index(int(state["index"]))
+
+    def restore(
+        self,
+        index: int,
+        skipped_ranges: Iterable[Sequence[int]],
+        state: dict[str, Any] | None = None,
+    ) -> None:
+        """Sets the position after a checkpoint is read: the one writer of it.
+
+        The controller calls it once after every restore (resume and rollback). ``state``
+        (a checkpoint's :meth:`get_state`, Grain's saved state included) is applied
+        first; then ``skipped_ranges`` replace this iterator's; then it moves to
+        ``index``, forward (:meth:`seek`) or back (:meth:`rewind`, a narrowed skip).
+
+        Raises:
+          StopIteration: the data ended before ``index``.
+          ValueError: ``index`` is behind and this iterator cannot move back.
+
+        Example:
+          >>> from stabljax.control.data import IndexedBatches
+          >>> it = IndexedBatches(lambda i: i, start=9)
+          >>> it.restore(4, [(5, 7)], state={"index": 2})
+          >>> it.index, [next(it) for _ in range(3)]
+          (4, [4, 7, 8])
+        """
+        if state is not None:
+            self.set_state(state)
+        self._ranges = merge_ranges(skipped_ranges)
+        index = int(index)
+        if index < self._index:
+            self.rewind(index)
+        else:
+            self.seek(index)
 
     def _set_index(self, index: int) -> None:
         raise NotImplementedError

@@ -57,6 +57,7 @@ EventKind = Literal[
     "data_exhausted",
     "triage",
     "rebaseline",
+    "remedy",
 ]
 """The kinds of :class:`Event`.
 

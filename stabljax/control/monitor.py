@@ -23,7 +23,7 @@ from typing import Any
 from stabljax.control import policy
 from stabljax.control.detectors import Detection, Detector
 from stabljax.control.errors import warn
-from stabljax.control.rollback import losses_before
+from stabljax.control.policy import losses_before
 from stabljax.control.store import host_scalars
 from stabljax.metrics import LOSS, SKIPPED, SPIKE_REBASELINES
 

@@ -3,20 +3,15 @@
 * Host helpers: reading device values (:func:`to_host`, :func:`host_scalars`) and
   agreeing across processes (:func:`all_agree`, :func:`try_everywhere`, :func:`barrier`),
   so every process decides the same thing without a coordinator.
-* The meta item: the state's fingerprint (two wrap-around uint32 sums per leaf, on
-  device), the meta item's own SHA-256 digest, and the resume checks
-  (:func:`check_compatible`: leaves, tree structure and data config), so a changed model,
-  optimizer or dtype is a :class:`~stabljax.control.errors.CheckpointMismatch`, never
-  corruption.
+* The meta item's checks live in :mod:`~stabljax.control.integrity` (fingerprints, the
+  meta digest, the resume checks).
 * :class:`CheckpointStore`: one Orbax ``CheckpointManager`` (:class:`StepManager`) whose
   checkpoints are a ``Composite`` of the train state, the data position (Grain's own
   checkpoint, or JSON) and the JSON meta item. Commit, then log: a ``save`` event is
   written once the checkpoint has committed; a failed save is a ``save_failed`` event and
   a :class:`~stabljax.control.errors.CheckpointSaveError`.
-* :class:`Saver`: when a checkpoint is taken (health gating, deferral), what it holds
-  (captured on the training thread as of its step), and what is kept; it writes through
-  :meth:`CheckpointStore.write`, here or on the store's worker thread
-  (``background_save``).
+* When a checkpoint is taken and what it holds is :class:`~stabljax.control.saver.Saver`'s
+  decision; it writes through :meth:`CheckpointStore.write`.
 """
 
 from __future__ import annotations
@@ -24,7 +19,6 @@ from __future__ import annotations
 import concurrent.futures
 import errno
 import functools
-import hashlib
 import json
 import os
 import pathlib
@@ -33,24 +27,19 @@ import threading
 import time
 import uuid
 from collections.abc import Callable, Mapping, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import grain
 import jax
-import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
-from jax import lax
 from jax.experimental import multihost_utils
 
 from stabljax.control import policy
 from stabljax.control.data import GrainDatasetIterator, GrainLoaderIterator
 from stabljax.control.errors import CheckpointMismatch as CheckpointMismatch
 from stabljax.control.errors import CheckpointSaveError as CheckpointSaveError
-
-if TYPE_CHECKING:  # both import this module
-    from stabljax.control.monitor import Monitor
-    from stabljax.control.rollback import Ledger
+from stabljax.control.integrity import META_VERSION, fingerprint, meta_digest
 
 # -------------------------------------------------------------------------------------------- host
 # Host-side helpers of the controller: reading device values, and agreeing across hosts.
@@ -128,224 +117,6 @@ def atomic_write_json(path: pathlib.Path, obj: Any) -> None:
         os.close(fd)
 
 
-def check_state(state: Any) -> None:
-    """Raises ``TypeError`` unless ``state`` has the ``step`` field checkpoints count by."""
-    if not hasattr(state, "step"):
-        raise TypeError(
-            f"state must have a 'step' field (int32 scalar), got {type(state).__name__}"
-        )
-
-
-PROBE = ".stabljax-probe-"
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except OSError:  # EPERM: someone else's process
-        return True
-    return True
-
-
-def clean_probes(directory: pathlib.Path) -> None:
-    """Removes probe files left by processes that died between writing and removing them.
-
-    A pid that is dead here may be alive on another host sharing the directory; removing
-    its probe is harmless, since the probe's writer removes it with ``missing_ok``.
-    """
-    for path in directory.glob(f"{PROBE}*-*"):
-        try:
-            pid = int(path.name[len(PROBE) :].split("-")[0])
-        except ValueError:
-            continue
-        if pid != os.getpid() and not _alive(pid):
-            path.unlink(missing_ok=True)
-
-
-def check_directory(directory: pathlib.Path) -> None:
-    """Creates ``directory`` (and its parents), checks that it can be written, and
-    removes stale probe files."""
-    probe = directory / f"{PROBE}{os.getpid()}-{jax.process_index()}"
-    try:
-        if directory.exists() and not directory.is_dir():
-            raise NotADirectoryError(errno.ENOTDIR, "a file is in the way", str(directory))
-        directory.mkdir(parents=True, exist_ok=True)
-        mode = directory.stat().st_mode
-        if not mode & 0o222:  # root writes anywhere; respect the operator's intent anyway
-            raise PermissionError(errno.EACCES, f"read-only (mode {oct(mode & 0o777)})")
-        probe.write_text("ok")
-        probe.unlink(missing_ok=True)
-        clean_probes(directory)
-    except OSError as e:
-        raise OSError(
-            e.errno,
-            f"checkpoint directory {str(directory)!r} cannot be created or written "
-            f"({type(e).__name__}: {e}); pass a writable directory",
-        ) from e
-
-
-# -------------------------------------------------------------------------------------------- meta
-# A checkpoint's meta item: fingerprints, its digest, and the checks made on resume.
-
-
-META_VERSION = 1
-
-
-def _leaf_fingerprint(x: jax.Array) -> jax.Array:
-    if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
-        x = jax.random.key_data(x)
-    if x.dtype == jnp.bool_:
-        x = x.astype(jnp.uint8)
-    if jnp.issubdtype(x.dtype, jnp.complexfloating):
-        x = jnp.stack([x.real, x.imag])
-    words = {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32, 8: jnp.uint32}[x.dtype.itemsize]
-    u = lax.bitcast_convert_type(x, words).astype(jnp.uint32)
-    # A position-dependent odd weight, built per axis (no reshape of a sharded array).
-    w = jnp.ones(u.shape, jnp.uint32)
-    mults = (0x9E3779B1, 0x85EBCA77, 0xC2B2AE3D, 0x27D4EB2F)
-    for axis in range(u.ndim):
-        iota = lax.broadcasted_iota(jnp.uint32, u.shape, axis)
-        w = w + iota * jnp.uint32(mults[axis % 4]) * jnp.uint32(2)
-    return jnp.stack([jnp.sum(u, dtype=jnp.uint32), jnp.sum(u * w, dtype=jnp.uint32)])
-
-
-@jax.jit
-def fingerprint(tree: Any) -> jax.Array:
-    """Two uint32 sums per leaf of ``tree`` (dispatched on device, read later)."""
-    leaves = [jnp.asarray(x) for x in jax.tree.leaves(tree)]
-    if not leaves:
-        return jnp.zeros((0,), jnp.uint32)
-    return jnp.concatenate([_leaf_fingerprint(x) for x in leaves])
-
-
-def jsonable(value: Any) -> Any:
-    """``value`` as plain JSON types (a deep copy), or ``None``."""
-    return None if value is None else json.loads(json.dumps(value))
-
-
-def meta_digest(meta: Mapping[str, Any]) -> str:
-    """SHA-256 of the meta item's canonical JSON, its own ``digest`` field left out."""
-    body = {k: v for k, v in meta.items() if k != "digest"}
-    return hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()
-
-
-def leaf_specs(abstract: Any) -> list[list[Any]]:
-    """``[path, dtype, shape]`` of every leaf of ``abstract``, ``None`` leaves included."""
-    flat, _ = jax.tree_util.tree_flatten_with_path(abstract, is_leaf=lambda x: x is None)
-    out = []
-    for path, x in flat:
-        dtype = getattr(x, "dtype", None)
-        shape = getattr(x, "shape", None)
-        out.append(
-            [
-                jax.tree_util.keystr(path),
-                None if x is None else str(dtype if dtype is not None else type(x).__name__),
-                None if shape is None else [int(d) for d in shape],
-            ]
-        )
-    return out
-
-
-def node_specs(abstract: Any) -> list[list[str]]:
-    """``[path, type name]`` of every inner node of ``abstract`` (``None`` aside).
-
-    Two states can have the same leaves and still differ in structure: ``optax.sgd``'s
-    state and ``optax.chain(optax.clip_by_global_norm(1.0), optax.sgd(0.05))``'s hold no
-    arrays at all, yet one is a pair of ``EmptyState`` and the other a pair whose second
-    element is itself a pair. These lines tell them apart, with the NamedTuple type of
-    each state.
-    """
-    out: list[list[str]] = []
-
-    def walk(path: tuple[Any, ...], x: Any) -> None:
-        if x is None:
-            return
-        children, _ = jax.tree_util.tree_flatten_with_path(x, is_leaf=lambda y: y is not x)
-        if len(children) == 1 and children[0][0] == ():
-            return  # a leaf: leaf_specs lists it
-        out.append([jax.tree_util.keystr(path), type(x).__name__])
-        for p, c in children:
-            walk(path + tuple(p), c)
-
-    walk((), abstract)
-    return out
-
-
-def describe_nodes(saved: Sequence[Sequence[str]], current: Sequence[Sequence[str]]) -> list[str]:
-    """Lines naming each inner node of the state added, removed or of another type."""
-    old, new = dict(map(tuple, saved)), dict(map(tuple, current))
-    lines = []
-    for p, t in new.items():
-        if p not in old:
-            lines.append(f"structure: {p or 'the state'} ({t}) is not in the checkpoint")
-        elif old[p] != t:
-            lines.append(f"structure: {p or 'the state'} is {old[p]} in the checkpoint, {t} now")
-    lines += [
-        f"structure: {p or 'the state'} ({t}) of the checkpoint is gone from the state"
-        for p, t in old.items()
-        if p not in new
-    ]
-    return lines
-
-
-def describe_mismatch(
-    saved: Sequence[Sequence[Any]], current: Sequence[Sequence[Any]]
-) -> list[str]:
-    """Lines naming each leaf that was added, removed, or changed dtype or shape."""
-    old = {p: (d, s) for p, d, s in saved}
-    new = {p: (d, s) for p, d, s in current}
-    lines = []
-    for p, (d, s) in new.items():
-        if p not in old:
-            lines.append(f"new leaf {p} ({d}{s if s is not None else ''}) not in the checkpoint")
-        elif old[p][0] is None and d is not None:
-            lines.append(f"leaf {p} is {d}{s} now but was None in the checkpoint")
-        elif d is None and old[p][0] is not None:
-            lines.append(f"leaf {p} is None now but was {old[p][0]}{old[p][1]} in the checkpoint")
-        elif old[p][0] != d:
-            lines.append(f"leaf {p}: dtype {old[p][0]} in the checkpoint, {d} now")
-        elif old[p][1] != s:
-            lines.append(f"leaf {p}: shape {old[p][1]} in the checkpoint, {s} now")
-    lines += [f"leaf {p} of the checkpoint is gone from the state" for p in old if p not in new]
-    return lines
-
-
-def state_bytes(abstract: Any) -> int:
-    """Bytes of the arrays in ``abstract`` (the size of one checkpoint, roughly)."""
-    total = 0
-    for x in jax.tree.leaves(abstract):
-        shape, dtype = getattr(x, "shape", None), getattr(x, "dtype", None)
-        if shape is not None and dtype is not None:
-            try:
-                total += int(np.prod(shape)) * np.dtype(dtype).itemsize
-            except TypeError:  # a PRNG key dtype
-                total += int(np.prod(shape)) * 8
-    return total
-
-
-def check_compatible(
-    meta: Mapping[str, Any], abstract: Any, data_config: Any, directory: pathlib.Path
-) -> None:
-    """Raises :class:`CheckpointMismatch` listing how the state or data config differs."""
-    lines = []
-    if meta.get("leaves") is not None:
-        lines = describe_mismatch(meta["leaves"], leaf_specs(abstract))
-    if meta.get("nodes") is not None:
-        lines += describe_nodes(meta["nodes"], node_specs(abstract))
-    saved = meta.get("data_config")
-    if saved is not None and saved != data_config:
-        lines.append(f"data config {saved} in the checkpoint, {data_config} now")
-    if lines:
-        raise CheckpointMismatch(
-            f"cannot resume from checkpoint {meta['step']} in {str(directory)!r}: the train "
-            "state's structure changed or the data config changed since it was written (a "
-            "config change, not corruption):\n  " + "\n  ".join(lines) + "\nResume with the "
-            "original model, optimizer, dtypes and data, or use a new directory."
-        )
-
-
 # ------------------------------------------------------------------------------------- checkpoints
 # Orbax I/O for the rollback controller: save, restore, verify, retention, trash.
 
@@ -390,16 +161,47 @@ class _FrozenState:
         return self._state
 
 
-def _grain_source(data: Any) -> Any:
+def grain_source(data: Any) -> Any:
     return data.source if isinstance(data, GrainDatasetIterator | GrainLoaderIterator) else None
 
 
+class GrainStateReader:
+    """Stands in for a Grain iterator in a restore: it takes the saved state instead of the
+    live iterator, so the data position has one writer
+    (:meth:`~stabljax.control.data.DataIterator.restore`).
+
+    Grain's handler calls ``set_state(bytes)`` for anything that is not a
+    ``DatasetIterator``, then ``start_prefetch()``.
+    """
+
+    def __init__(self) -> None:
+        self.saved: bytes | None = None
+
+    def set_state(self, state: bytes) -> None:
+        self.saved = bytes(state)
+
+    def start_prefetch(self) -> None:
+        pass
+
+    def state_for(self, data: Any, index: int) -> dict[str, Any]:
+        """``data.get_state()``'s form of what was saved, at data index ``index``."""
+        if self.saved is None:
+            raise ValueError("no Grain state was read")
+        if isinstance(grain_source(data), grain.DatasetIterator):
+            return {"index": index, "grain": json.loads(self.saved)}
+        return {"index": index, "grain": self.saved.decode()}
+
+
 def data_item(data: Any, *, restore: bool) -> Any:
-    """Orbax args for the data item; a save holds the position as of this call."""
-    source = _grain_source(data)
+    """Orbax args for the data item; a save holds the position as of this call.
+
+    A restore reads it without touching ``data``: Grain's state lands in a
+    :class:`GrainStateReader`, any other data's is returned as JSON.
+    """
+    source = grain_source(data)
     if source is not None:
         if restore:
-            return grain.checkpoint.CheckpointRestore(source)
+            return grain.checkpoint.CheckpointRestore(GrainStateReader())
         return grain.checkpoint.CheckpointSave(_FrozenState(source))
     if restore:
         return ocp.args.JsonRestore()
@@ -438,7 +240,7 @@ class StepManager(ocp.CheckpointManager):
     a save. JAX keeps one step id per process, the last one given, so those calls, with a
     save's step, possibly late, would move it under the controller's feet. The controller
     alone asks, once per step, with ``state.step``
-    (:meth:`stabljax.control.controller.PreemptionWatch.should_stop`), and it saves on
+    (:meth:`stabljax.control.session.PreemptionWatch.should_stop`), and it saves on
     preemption itself.
     """
 
@@ -479,6 +281,7 @@ class CheckpointStore:
         self.directory = directory
         self.async_save = async_save
         self.keep = keep
+        self.keeps_best = False  # the best checkpoint is kept too (a rollback_best detector)
         self.state_bytes = 0
         self.log = log
         self.manager = StepManager(
@@ -627,12 +430,18 @@ class CheckpointStore:
         return meta
 
     def restore(
-        self, step: int, abstract: Any, data_item: Any, *, verify: bool
-    ) -> tuple[Any, dict[str, Any], Any]:
-        """Restores (and verifies) checkpoint ``step``: ``(state, meta, data state)``."""
+        self, step: int, abstract: Any, data: Any = None, *, verify: bool
+    ) -> tuple[Any, dict[str, Any], dict[str, Any] | None]:
+        """Restores (and verifies) checkpoint ``step``: ``(state, meta, data state)``.
+
+        With ``data`` (the run's :class:`~stabljax.control.data.DataIterator`) the data
+        item is read too, in ``data.get_state()``'s form (Grain's saved state included),
+        for :meth:`~stabljax.control.data.DataIterator.restore`; ``data`` itself is not
+        touched. Without it the data state is ``None``.
+        """
         items = {"state": ocp.args.StandardRestore(abstract), "meta": ocp.args.JsonRestore()}
-        if data_item is not None:
-            items["data"] = data_item
+        if data is not None:
+            items["data"] = data_item(data, restore=True)
         out = self.manager.restore(step, args=ocp.args.Composite(**items))
         state, meta = out["state"], self._check_meta(step, out["meta"])
         if int(meta["step"]) != step or int(to_host(state.step)) != step:
@@ -641,16 +450,25 @@ class CheckpointStore:
             got = [int(v) for v in to_host(fingerprint(state))]
             if got != meta["fingerprint"]:
                 raise ValueError(f"checkpoint {step}: state fingerprint mismatch (corrupted data)")
-        return state, meta, out.get("data") if data_item is not None else None
+        if data is None:
+            return state, meta, None
+        saved, index = out["data"], int(meta["data_index"])
+        if isinstance(saved, GrainStateReader):
+            return state, meta, saved.state_for(data, index)
+        if int(saved["index"]) != index:
+            raise ValueError(f"checkpoint {step}: data position disagrees with meta")
+        return state, meta, dict(saved)
 
     def first_restorable(
-        self, order: Sequence[int], restore: Callable[[int], Any]
-    ) -> tuple[int, Any] | None:
-        """The first of ``order`` that ``restore`` reads everywhere, as ``(step, result)``;
-        the ones that fail before it are set aside as corrupt."""
+        self, order: Sequence[int], abstract: Any, *, verify: bool, data: Any = None
+    ) -> tuple[int, tuple[Any, dict[str, Any], Any]] | None:
+        """The first of ``order`` that :meth:`restore` reads everywhere, as
+        ``(step, (state, meta, data state))``; the ones that fail before it are set aside
+        as corrupt."""
         failed, found = [], None
         for s in order:
-            result = try_everywhere(lambda s=s: restore(s), self.log, s)
+            read = functools.partial(self.restore, s, abstract, data, verify=verify)
+            result = try_everywhere(read, self.log, s)
             if result is not None:
                 found = (s, result)
                 break
@@ -664,8 +482,15 @@ class CheckpointStore:
     def best(self, steps: Sequence[int]) -> int | None:
         return policy.best_step(steps, self.scores)
 
-    def retain(self, kept: Sequence[int]) -> None:
-        """Deletes every checkpoint not in ``kept``; no save in flight."""
+    def kept(self) -> list[int]:
+        """The checkpoints retention keeps (:func:`~stabljax.control.policy.kept_steps`)."""
+        steps = self.steps()
+        best = self.best(steps) if self.keeps_best else None
+        return policy.kept_steps(steps, keep=self.keep, best=best, resume_only=self.resume_only)
+
+    def retain(self, kept: Sequence[int] | None = None) -> None:
+        """Deletes every checkpoint not in ``kept`` (default :meth:`kept`); no save in flight."""
+        kept = self.kept() if kept is None else kept
         surplus = [s for s in self.manager.all_steps() if s not in kept]
         if surplus:
             self.delete(surplus)
@@ -730,115 +555,3 @@ class CheckpointStore:
             self.manager.close()
         finally:
             self._sweeper.join()
-
-
-# ------------------------------------------------------------------------------------------ saving
-# When a checkpoint is taken and what it holds: health gating, deferral, capture.
-
-
-class Saver:
-    """The save decisions and captures of one run."""
-
-    def __init__(
-        self,
-        store: CheckpointStore,
-        monitor: Monitor,
-        log: Callable[..., None],
-        *,
-        keep: int,
-        verify: bool,
-    ):
-        self.store, self.monitor, self.log, self.keep, self.verify = (
-            store,
-            monitor,
-            log,
-            keep,
-            verify,
-        )
-        self.background = False  # background_save
-        self.data: Any = None  # the data iterator and the state's structure, set on resume
-        self.abstract: Any = None
-        self.saved_at: int | None = None  # the step of the newest checkpoint
-        self.deferred: int | None = None  # a due save waiting for a healthy state
-
-    def kept(self) -> list[int]:
-        steps = self.store.steps()
-        best = self.store.best(steps) if self.monitor.rolls_back_to_best else None
-        return policy.kept_steps(
-            steps, keep=self.keep, best=best, resume_only=self.store.resume_only
-        )
-
-    def retain(self) -> None:
-        self.store.retain(self.kept())
-
-    def restore(self, step: int, *, with_data: bool = False) -> tuple[Any, dict[str, Any], Any]:
-        """Reads and verifies checkpoint ``step`` into the run's structure.
-
-        Returns ``(state, meta, data state)``. With ``with_data`` the data item is read
-        too: Orbax restores a Grain iterator in place (the data state is then ``None``);
-        any other data's JSON state is returned for
-        :func:`~stabljax.control.rollback.place` to apply.
-        """
-        item = data_item(self.data, restore=True) if with_data else None
-        state, meta, saved = self.store.restore(step, self.abstract, item, verify=self.verify)
-        if not with_data or _grain_source(self.data) is not None:
-            return state, meta, None
-        if int(saved["index"]) != int(meta["data_index"]):
-            raise ValueError(f"checkpoint {step}: data position disagrees with meta")
-        return state, meta, dict(saved)
-
-    def load(self, meta: Mapping[str, Any]) -> int:
-        """Takes a checkpoint's trajectory (detectors, EMA, kept scores); returns its step."""
-        self.monitor.load(meta)
-        self.store.scores = {int(k): float(v) for k, v in meta["ckpt_losses"].items()}
-        self.store.resume_only = set(meta.get("resume_only", []))
-        self.saved_at, self.deferred = int(meta["step"]), None
-        return self.saved_at
-
-    def maybe_save(
-        self,
-        step: int,
-        state: Any,
-        ledger: Ledger,
-        data_config: Any,
-        *,
-        sync: bool = False,
-        resume_only: bool = False,
-    ) -> None:
-        """Saves ``state`` as checkpoint ``step`` if healthy; else defers (one event).
-
-        The store writes it (:meth:`CheckpointStore.write`), here or on its worker thread.
-        """
-        data, abstract, log = self.data, self.abstract, self.log
-        if self.saved_at == step:
-            return
-        blocker = policy.save_blocker(self.monitor.active_onsets(), self.monitor.last_loss)
-        if blocker is not None:
-            if self.deferred is None:
-                log("save_deferred", step, reason=blocker)
-                self.deferred = step
-            return
-        self.store.join_worker()
-        background = self.background and not sync
-        state = device_snapshot(state) if background else state
-        digest = fingerprint(state) if self.verify else None  # dispatched, read later
-        meta = {"version": META_VERSION, "step": step, "data_index": data.index}
-        meta |= ledger.to_meta() | self.monitor.to_meta()
-        meta |= {"leaves": leaf_specs(abstract), "nodes": node_specs(abstract)}
-        meta |= {"data_config": data_config}
-        meta = json.loads(json.dumps(meta))  # a deep copy: the loop runs on meanwhile
-        item = data_item(data, restore=False)
-        job = functools.partial(
-            self.store.write,
-            step,
-            state,
-            digest,
-            meta,
-            item,
-            self.monitor.smoothed_loss,
-            wait=sync or background,
-            kept=self.kept,
-            resume_only=resume_only and self.deferred is None,
-        )
-        self.store.submit(job) if background else job()
-        self.saved_at, self.deferred = step, None

@@ -55,7 +55,7 @@ import numpy as np
 from stabljax import metrics as keys
 from stabljax.control import attribution
 from stabljax.control import store as ck
-from stabljax.control.data import first_allowed
+from stabljax.control.policy import first_allowed
 
 VERDICTS = ("nondeterministic", "data", "state", "inconclusive")
 PHASES = ("restored", "rerun", "earlier", "culprit")

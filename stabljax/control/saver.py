@@ -1,0 +1,127 @@
+"""When a checkpoint is taken and what it holds: health gating, deferral, capture, retention.
+
+:class:`Saver` decides; :class:`~stabljax.control.store.CheckpointStore` writes, here or
+on its worker thread (``background_save``).
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+from collections.abc import Callable, Mapping
+from typing import Any, Protocol
+
+from stabljax.control import policy
+from stabljax.control.integrity import META_VERSION, fingerprint, leaf_specs, node_specs
+from stabljax.control.policy import Ledger
+from stabljax.control.store import CheckpointStore, data_item, device_snapshot
+
+
+class Trajectory(Protocol):
+    """What a save reads of the detectors' side
+    (:class:`~stabljax.control.monitor.Monitor` has it), and restores into it."""
+
+    rolls_back_to_best: bool
+    last_loss: float | None
+    smoothed_loss: float | None
+
+    def active_onsets(self) -> list[int | None]: ...
+
+    def to_meta(self) -> dict[str, Any]: ...
+
+    def load(self, meta: Mapping[str, Any]) -> None: ...
+
+
+class Saver:
+    """The save decisions and captures of one run."""
+
+    def __init__(
+        self,
+        store: CheckpointStore,
+        monitor: Trajectory,
+        log: Callable[..., None],
+        *,
+        keep: int,
+        verify: bool,
+    ):
+        self.store, self.monitor, self.log, self.keep, self.verify = (
+            store,
+            monitor,
+            log,
+            keep,
+            verify,
+        )
+        self.background = False  # background_save
+        self.data: Any = None  # the data iterator and the state's structure, set on resume
+        self.abstract: Any = None
+        self.saved_at: int | None = None  # the step of the newest checkpoint
+        self.deferred: int | None = None  # a due save waiting for a healthy state
+
+    def kept(self) -> list[int]:
+        return self.store.kept()
+
+    def retain(self) -> None:
+        self.store.retain()
+
+    def restore(self, step: int, *, with_data: bool = False) -> tuple[Any, dict[str, Any], Any]:
+        """Reads and verifies checkpoint ``step`` into the run's structure
+        (:meth:`~stabljax.control.store.CheckpointStore.restore`; ``with_data``: the data
+        state too)."""
+        data = self.data if with_data else None
+        return self.store.restore(step, self.abstract, data, verify=self.verify)
+
+    def load(self, meta: Mapping[str, Any]) -> int:
+        """Takes a checkpoint's trajectory (detectors, EMA, kept scores); returns its step."""
+        self.monitor.load(meta)
+        self.store.scores = {int(k): float(v) for k, v in meta["ckpt_losses"].items()}
+        self.store.resume_only = set(meta.get("resume_only", []))
+        self.saved_at, self.deferred = int(meta["step"]), None
+        return self.saved_at
+
+    def maybe_save(
+        self,
+        step: int,
+        state: Any,
+        ledger: Ledger,
+        data_config: Any,
+        *,
+        sync: bool = False,
+        resume_only: bool = False,
+    ) -> None:
+        """Saves ``state`` as checkpoint ``step`` if healthy; else defers (one event).
+
+        The store writes it (:meth:`CheckpointStore.write`), here or on its worker thread.
+        """
+        data, abstract, log = self.data, self.abstract, self.log
+        if self.saved_at == step:
+            return
+        blocker = policy.save_blocker(self.monitor.active_onsets(), self.monitor.last_loss)
+        if blocker is not None:
+            if self.deferred is None:
+                log("save_deferred", step, reason=blocker)
+                self.deferred = step
+            return
+        self.store.join_worker()
+        background = self.background and not sync
+        state = device_snapshot(state) if background else state
+        digest = fingerprint(state) if self.verify else None  # dispatched, read later
+        meta = {"version": META_VERSION, "step": step, "data_index": data.index}
+        meta |= ledger.to_meta() | self.monitor.to_meta()
+        meta |= {"leaves": leaf_specs(abstract), "nodes": node_specs(abstract)}
+        meta |= {"data_config": data_config}
+        meta = json.loads(json.dumps(meta))  # a deep copy: the loop runs on meanwhile
+        item = data_item(data, restore=False)
+        job = functools.partial(
+            self.store.write,
+            step,
+            state,
+            digest,
+            meta,
+            item,
+            self.monitor.smoothed_loss,
+            wait=sync or background,
+            kept=self.kept,
+            resume_only=resume_only and self.deferred is None,
+        )
+        self.store.submit(job) if background else job()
+        self.saved_at, self.deferred = step, None
