@@ -25,6 +25,7 @@ import numpy as np
 import optax
 
 import stabljax
+from experiments import common
 from stabljax.reference.nn import TransformerConfig, TransformerLM
 
 #: The spike criterion, fixed from the pilot before the main run: a step whose training loss
@@ -156,6 +157,65 @@ def pilot_run(task: Task, seeds, steps: int, lrs=None) -> np.ndarray:
     ]
     _, ms = scan_runs(step, states, [task.batches(sd) for sd in seeds], steps)
     return ms["loss"]
+
+
+class Programs:
+    """The jitted steps (plain and guarded) and the evaluation of the main job
+    (:mod:`experiments.spike_recovery`; ``cfg`` is its config), compiled once."""
+
+    def __init__(self, cfg):
+        self.task = cfg.task()
+        apply_fn, _ = self.task.model(0)
+        loss = loss_fn(apply_fn)
+        tx = self.task.optimizer()
+        self.optimizers = {
+            "plain": tx,
+            "guarded": stabljax.skip_nonfinite(
+                stabljax.skip_spikes(tx, warmup_steps=cfg.spike_warmup)
+            ),
+        }
+        self.steps = {k: stabljax.make_train_step(loss, o) for k, o in self.optimizers.items()}
+        self.scan_steps = {
+            k: stabljax.make_train_step(loss, o, donate=False) for k, o in self.optimizers.items()
+        }
+        self.eval = jax.jit(loss)
+        self.train, self.test = self.task.split()
+
+    def evaluate(self, params, rows) -> tuple[float, float]:
+        loss, aux = self.eval(params, rows)
+        return common.finite_or_nan(float(loss)), float(aux["acc"])
+
+
+def controller(cfg, ckpt, arm: str) -> stabljax.RollbackController:
+    """The main job's controller at its default detectors (``cfg``: the main job's config);
+    for arm ``remedy`` it also lowers the LR of the restored state at every rollback."""
+    keep = (cfg.margin + 2 * cfg.save_every) // cfg.save_every + 2
+    kw = {}
+    if arm == "remedy":
+        from stabljax.control import remedies
+
+        kw["remedy"] = remedies.lower_lr(cfg.remedy_factor)
+    return stabljax.RollbackController(
+        ckpt,
+        save_every=cfg.save_every,
+        keep=keep,
+        rollback_margin=cfg.margin,
+        max_rollbacks=cfg.max_rollbacks,
+        async_save=False,
+        **kw,
+    )
+
+
+def kept_losses(calls: list[dict], got: list[dict]) -> np.ndarray:
+    """The loss of each step of the kept trajectory, the one the final state was trained
+    through: walking back from the last call, the latest earlier call of each step before
+    (a rollback's replay comes after the calls it discards)."""
+    out, want = [], calls[-1]["step"] if calls else -1
+    for k in range(len(calls) - 1, -1, -1):
+        if calls[k]["step"] == want:
+            out.append(float(got[k]["loss"]))
+            want -= 1
+    return np.array(out[::-1])
 
 
 def main(argv=None) -> None:

@@ -40,7 +40,16 @@ import optax
 
 import stabljax
 from experiments import cli, common, plots, stats
-from experiments.slingshot import SPIKE_NATS, Task, loss_fn, scan_runs, spikes, with_lr
+from experiments.slingshot import (
+    SPIKE_NATS,
+    Programs,
+    Task,
+    controller,
+    kept_losses,
+    scan_runs,
+    spikes,
+    with_lr,
+)
 
 ARMS = ("unguarded", "guards", "rollback", "remedy", "lower_lr")
 REMEDIES = ARMS[1:]
@@ -67,7 +76,7 @@ class Config:
     arms: tuple[str, ...] = ARMS
     save_every: int = 25
     margin: int = 50
-    max_rollbacks: int = 40
+    max_rollbacks: int = 10
     remedy_factor: float = 0.5
     lower_lr_factor: float = 0.5
     spike_warmup: int = 50
@@ -96,60 +105,6 @@ class Config:
     def task(self, lr: float | None = None) -> Task:
         names = ("p", "train_frac", "d_model", "n_layers", "n_heads", "batch_size", "b2")
         return Task(lr=self.lr if lr is None else lr, **{k: getattr(self, k) for k in names})
-
-
-class Programs:
-    """The jitted steps (plain and guarded) and the evaluation, compiled once."""
-
-    def __init__(self, cfg: Config):
-        self.task = cfg.task()
-        apply_fn, _ = self.task.model(0)
-        loss = loss_fn(apply_fn)
-        tx = self.task.optimizer()
-        self.optimizers = {
-            "plain": tx,
-            "guarded": stabljax.skip_nonfinite(
-                stabljax.skip_spikes(tx, warmup_steps=cfg.spike_warmup)
-            ),
-        }
-        self.steps = {k: stabljax.make_train_step(loss, o) for k, o in self.optimizers.items()}
-        self.scan_steps = {
-            k: stabljax.make_train_step(loss, o, donate=False) for k, o in self.optimizers.items()
-        }
-        self.eval = jax.jit(loss)
-        self.train, self.test = self.task.split()
-
-    def evaluate(self, params, rows) -> tuple[float, float]:
-        loss, aux = self.eval(params, rows)
-        return common.finite_or_nan(float(loss)), float(aux["acc"])
-
-
-def controller(cfg: Config, ckpt, arm: str) -> stabljax.RollbackController:
-    """The controller of the rollback arms at its default detectors; ``remedy`` also lowers
-    the LR of the restored state at every rollback."""
-    keep = (cfg.margin + 2 * cfg.save_every) // cfg.save_every + 2
-    kw = {}
-    if arm == "remedy":
-        from stabljax.control import remedies
-
-        kw["remedy"] = remedies.lower_lr(cfg.remedy_factor)
-    return stabljax.RollbackController(
-        ckpt,
-        save_every=cfg.save_every,
-        keep=keep,
-        rollback_margin=cfg.margin,
-        max_rollbacks=cfg.max_rollbacks,
-        async_save=False,
-        **kw,
-    )
-
-
-def kept_losses(calls: list[dict], got: list[dict], steps: int) -> np.ndarray:
-    """The loss of each step of the kept trajectory: the last call that trained it."""
-    last = {}
-    for k, c in enumerate(calls):
-        last[c["step"]] = k
-    return np.array([float(got[last[s]]["loss"]) for s in range(steps)])
 
 
 def outcome(cfg: Config, progs: Programs, params, losses, kept, calls: int, skips: int):
@@ -189,7 +144,8 @@ def run_scanned(cfg: Config, progs: Programs, arm: str, bar) -> list[dict]:
         params = jax.tree.map(lambda x, k=k: x[k], state.params)
         losses = ms["loss"][k].astype(float)
         skips = int(ms["skipped"][k].sum())
-        row = {"arm": arm, "seed": sd, "rollbacks": 0, "remedies": 0, "batches_skipped": 0}
+        row = {"arm": arm, "seed": sd, "rollbacks": 0, "gave_up": False, "remedies": 0}
+        row["batches_skipped"] = 0
         row |= {"rollback_steps": [], "final_lr": lr, "wall_s": wall}
         out.append(row | outcome(cfg, progs, params, losses, losses, cfg.steps, skips))
     return out
@@ -199,7 +155,7 @@ def run_controlled(cfg: Config, progs: Programs, arm: str, seed: int, workdir, b
     """One seed of a controller arm: a step per call, the controller between them."""
     _, params = progs.task.model(seed)
     state = stabljax.TrainState.create(params, progs.optimizers["plain"])
-    step = progs.steps["plain"]
+    step = progs.scan_steps["plain"]  # not donated: the controller keeps what it restores
     calls: list[dict] = []
     t0 = time.perf_counter()
     ctl = controller(cfg, workdir / f"{arm}-{seed}", arm)
@@ -215,6 +171,7 @@ def run_controlled(cfg: Config, progs: Programs, arm: str, seed: int, workdir, b
         bar.update(1)
         return state, m
 
+    gave_up = False
     try:
         state, _ = ctl.run(
             tick,
@@ -223,17 +180,22 @@ def run_controlled(cfg: Config, progs: Programs, arm: str, seed: int, workdir, b
             cfg.steps,
             progress=False,
         )
+    except stabljax.control.TrainingDiverged:
+        gave_up = True  # max_rollbacks spent: the job stops, counted as a diverged run
     finally:
         ctl.close()
     events = [e.to_dict() if hasattr(e, "to_dict") else dict(e) for e in ctl.events]
     got = jax.device_get([c["m"] for c in calls])
     losses = np.array([float(m["loss"]) for m in got])
-    kept = kept_losses(calls, got, cfg.steps)
+    kept = kept_losses(calls, got)
+    if gave_up:  # the steps never trained count as diverged: NaN, ln p in the primary
+        kept = np.concatenate([kept, np.full(cfg.steps - len(kept), np.nan)])
     skips = int(sum(bool(m["skipped"]) for m in got))
     return {
         "arm": arm,
         "seed": seed,
         "rollbacks": ctl.rollbacks,
+        "gave_up": gave_up,
         "remedies": sum(e["kind"] == "remedy" for e in events),
         "batches_skipped": sum(b - a for a, b in ctl.skipped_ranges),
         "rollback_steps": [e["step"] for e in events if e["kind"] == "rollback"],
@@ -367,12 +329,19 @@ def table(cfg: Config, res: dict, summary: dict) -> str:
     )
 
 
-def main(argv=None) -> dict:
-    argv = list(sys.argv[1:] if argv is None else argv)
+def output_argv(argv) -> list[str]:
+    """``argv`` with the results folder made explicit: ``--out`` if given, else the committed
+    folder with ``--commit-results``, else :data:`RUN_FOLDER` (git-ignored)."""
+    argv = list(argv)
     commit = "--commit-results" in argv
     argv = [a for a in argv if a != "--commit-results"]
     if not commit and not any(a == "--out" or a.startswith("--out=") for a in argv):
         argv = [*argv, "--out", RUN_FOLDER]
+    return argv
+
+
+def main(argv=None) -> dict:
+    argv = output_argv(sys.argv[1:] if argv is None else argv)
     doc = __doc__ + "\n--commit-results: write experiments/results/spike_recovery/ instead."
     ex = cli.start(Config, argv, doc, name="spike_recovery")
     cfg, out = ex.cfg, ex.out
