@@ -183,12 +183,61 @@ def test_spike_state_round_trip_is_json_and_exact():
         {"warmup": 129},
         {"onset_threshold": 9.0},
         {"patience": 0},
+        # issue 41: every threshold finite
+        {"threshold": math.inf},
+        {"threshold": math.nan},
+        {"rel_floor": math.inf},
+        {"abs_floor": math.inf},
+        {"sustained_floor": math.inf},
+        {"sustained_floor": -0.1},
+        {"sustained": [(5, math.inf)]},
+        {"sustained": [(5, 0.0)]},
+        {"sustained": [(1, 6.0)]},
+        {"sustained": [(5.5, 6.0)]},
+        {"sustained": [5]},
     ],
 )
 def test_spike_detector_validates(kwargs):
     name = next(iter(kwargs))
     with pytest.raises(ValueError, match=name):
         SpikeDetector(**kwargs)
+
+
+def test_a_sustained_rise_below_the_single_step_floor_is_caught():
+    # Level 2.0 with noise 0.02: the single-step rule needs 1.5 * 2 = 3 above the median;
+    # a +1 rise (0.5 of the level) lasting 5 steps is caught by the median of the last 5
+    # once 3 of them are up: need max(6 * s, 0.1 * 2, 1e-3).
+    rng = np.random.default_rng(3)
+    xs = list(2.0 + 0.02 * rng.standard_normal(100))
+    det = SpikeDetector()
+    assert all(d is None for d in _feed(det, xs))
+    # the two 3.0 values before the detection were accepted (not anomalous on their own)
+    ref = np.array(xs + [3.0, 3.0])
+    m = float(np.median(ref))
+    sc = 1.482602218505602 * float(np.median(np.abs(ref - m)))
+    # the median of [x97, x98, x99, 3, 3] is 2.x; of [x98, x99, 3, 3, 3] is 3.
+    outs = [det.update(100 + k, {"loss": 2.0 + 1.0}) for k in range(3)]
+    assert outs[0] is None and outs[1] is None
+    d = outs[2]
+    assert d is not None and d.action == "rollback" and d.details["rule"] == "sustained 5"
+    assert d.step == 102 and d.onset == 100  # the rise started at 100 (> 3 robust scales)
+    assert d.details["excess"] == pytest.approx(3.0 - m)
+    assert d.details["required"] == pytest.approx(max(6.0 * sc, 0.1 * abs(m), 1e-3))
+    # Without the sustained tests the same rise passes unnoticed.
+    bare = SpikeDetector(sustained=())
+    _feed(bare, xs)
+    assert all(bare.update(100 + k, {"loss": 3.0}) is None for k in range(5))
+
+
+def test_sustained_state_round_trips_mid_rise():
+    rng = np.random.default_rng(4)
+    xs = list(2.0 + 0.02 * rng.standard_normal(60)) + [3.0, 3.0]
+    a = SpikeDetector()
+    _feed(a, xs)
+    b = SpikeDetector()
+    b.set_state(json.loads(json.dumps(a.get_state())))
+    da, db = a.update(62, {"loss": 3.0}), b.update(62, {"loss": 3.0})
+    assert da is not None and db is not None and da == db
 
 
 def test_missing_metric_is_a_clear_error():

@@ -1,14 +1,15 @@
-"""``python -m experiments.spike_recovery --quick``: what it writes and what it must show."""
+"""``python -m experiments.spike_recovery --quick``: what it writes and what it must show;
+the Slingshot task's pieces; the repeated-n-gram filter of :mod:`experiments.faults`."""
 
-import json
+import types
 
 import numpy as np
 import pytest
 from experiment_runs import run_quick
 
-from experiments import faults, spike_recovery
+from experiments import faults, slingshot, spike_recovery
 
-FIGURES = ("loss.png", "effects.png", "lr_scan.png")
+FIGURES = ("loss.png", "effects.png")
 
 
 def _bytes(text: str) -> np.ndarray:
@@ -43,7 +44,9 @@ def test_repeated_ngram_filter_on_hand_built_documents(doc, repeats):
 
 
 def test_bad_batches_are_repeated_ngrams_the_filter_drops():
-    cfg = spike_recovery.Config.quick()
+    cfg = types.SimpleNamespace(
+        batch_size=4, seq_len=64, bad_start=3, bad_len=2, bad_frac=1.0, ngram_max=2
+    )
     corpus = np.frombuffer(b"def main():\n    return 0\n" * 50, np.uint8)
     clean = lambda i: {  # noqa: E731
         "inputs": np.zeros((cfg.batch_size, cfg.seq_len), np.int32) + (np.arange(cfg.seq_len) % 7),
@@ -59,18 +62,64 @@ def test_bad_batches_are_repeated_ngrams_the_filter_drops():
     assert kept.sum() == 0 and faults.filtered(src)(0)["weight"].sum() == cfg.batch_size
 
 
+def test_modular_addition_split_and_batches():
+    task = slingshot.Task(p=7, train_frac=0.5, batch_size=5)
+    train, test = task.split()
+    assert len(train) + len(test) == 49 and len(train) == round(0.5 * 49)
+    rows = np.concatenate([train, test])
+    assert np.all(rows[:, 2] == 7) and np.all(rows[:, 3] == (rows[:, 0] + rows[:, 1]) % 7)
+    assert len({tuple(r) for r in rows}) == 49  # every pair once, in one split only
+    b = task.batches(3)
+    assert np.array_equal(b(10), b(10)) and not np.array_equal(b(10), b(11))
+    assert len({tuple(r) for r in b(10)}) == 5  # drawn without replacement
+
+
+def test_spike_criterion_on_hand_built_losses():
+    x = [3.0, 2.0, 1.0, 0.1, 0.0, 0.4, 0.0, 0.7, 0.8, 0.2, 0.0, float("nan"), 0.0]
+    # running min 0 from step 4: 0.4 is not a spike (<= 0.5), 0.7 at step 7 is one episode
+    # (8 continues it), NaN at 11 is another.
+    assert slingshot.spikes(x) == [7, 11]
+    assert slingshot.spikes([1.0, 1.4, 1.6, 0.9]) == [2]
+    assert slingshot.spikes(np.linspace(3, 0, 50)) == []
+
+
+def test_kept_trajectory_follows_the_last_replay():
+    steps = [0, 1, 2, 3, 4, 2, 3, 4, 5, 3, 4, 5, 6]  # rolled back to 2 after 4, to 3 after 5
+    calls = [{"step": s} for s in steps]
+    got = [{"loss": 10.0 * k} for k in range(len(steps))]
+    kept = slingshot.kept_losses(calls, got)
+    assert kept.tolist() == [0.0, 10.0, 50.0, 90.0, 100.0, 110.0, 120.0]
+    # stopped right after a rollback to 2: the kept trajectory ends at the last call
+    assert slingshot.kept_losses(calls[:6], got[:6]).tolist() == [0.0, 10.0, 50.0]
+
+
+def test_results_go_to_the_run_folder_unless_committed():
+    assert spike_recovery.output_argv(["--quick"]) == ["--quick", "--out", "runs/spike_recovery"]
+    assert spike_recovery.output_argv(["--commit-results"]) == []
+    assert spike_recovery.output_argv(["--out", "x"]) == ["--out", "x"]
+
+
 def test_spike_recovery(tmp_path):
     res, cfg, s = run_quick("spike_recovery", tmp_path, figures=FIGURES, script=True)
     arms = res["arms"]
     assert set(arms) == set(spike_recovery.ARMS)
-    n_bad = cfg["bad_len"] * round(cfg["bad_frac"] * cfg["batch_size"])
+    seeds = cfg["seeds"]
+    for arm, a in arms.items():
+        assert len(a["rollbacks_per_seed"]) == len(seeds)
+        if arm not in spike_recovery.CONTROLLED:
+            assert a["rollbacks_per_seed"] == [0] * len(seeds)
     for r in res["runs"]:
-        if r["arm"] == "unguarded":  # every bad sequence is trained on
-            assert r["bad_sequences_trained"] == n_bad
-        if r["arm"] in ("clean", "filter"):  # none: the filter drops them all
-            assert r["bad_sequences_trained"] == 0
-        if r["arm"] != "filter":
-            assert r["clean_dropped"] == 0
+        assert len(r["kept_losses"]) == cfg["steps"] or r["gave_up"]
+        assert r["compute_steps"] == cfg["steps"] + r["steps_lost"]
+        if not r["gave_up"]:
+            tail = np.asarray(r["kept_losses"][cfg["metric_from"] :], float)
+            assert r["primary"] == pytest.approx(float(np.mean(tail)), rel=1e-3)
+        if r["arm"] == "lower_lr":
+            assert r["final_lr"] == pytest.approx(cfg["lr"] * cfg["lower_lr_factor"])
+        if r["arm"] == "remedy":
+            assert r["remedies"] == r["rollbacks"]
+            want = cfg["lr"] * cfg["remedy_factor"] ** r["rollbacks"]
+            assert r["final_lr"] == pytest.approx(want, rel=1e-5)
     assert s["primary_metric"] == spike_recovery.PRIMARY
     assert set(s["remedies"]) == {
         f"{a} @ lr {cfg['lr']:g}, d{cfg['d_model']}x{cfg['n_layers']}"
@@ -78,21 +127,3 @@ def test_spike_recovery(tmp_path):
     }
     assert s["failure_made_by_model"] is True
     assert s["lr_grid"]["lrs"] == sorted(cfg["scan_lrs"]) and s["lr_grid"]["main_lr"] == cfg["lr"]
-    # The "both" arm keeps its checkpoints and per-step metrics under <out>/ckpt and writes
-    # a stability report per seed; a triage verdict, where a rollback happened, is a known one.
-    out = tmp_path / "spike_recovery"
-    for r in res["runs"]:
-        if r["arm"] != "both":
-            assert "report" not in r
-            continue
-        ckpt = out / "ckpt" / f"both-{r['seed']}"
-        lines = (ckpt / "metrics.jsonl").read_text().splitlines()
-        assert len(lines) == r["compute_steps"] and json.loads(lines[0])["step"] == 0
-        html = out / "reports" / f"seed{r['seed']}" / "report.html"
-        assert r["report"] == f"reports/seed{r['seed']}/report.html"  # relative to --out
-        assert "<html" in html.read_text()[:500].lower()
-        assert len(r["triage"]) == r["rollbacks"]
-        assert all(
-            t["verdict"] in ("data", "state", "nondeterministic", "inconclusive")
-            for t in r["triage"]
-        )

@@ -51,14 +51,20 @@ TARGETS = {
     "slow_delay_max_steps_iid": 2000.0,
     "spike_false_per_1000_student_t3": 0.1,
     "spike_false_per_1000_lognormal": 0.1,
+    "spike_false_per_1e5_student_t3": 1.0,
+    "spike_false_per_1e5_phi0.99": 1.0,
+    "spike_false_per_1e5_phi0.999": 1.0,
     "spike_5x_caught_student_t3": 1.0,
     "spike_5x_caught_lognormal": 1.0,
 }
 LEVEL, STD = 2.0, 0.05
 # Healthy recorded curves: (results folder, path in results.json). The clipping and
 # lr-sensitivity experiments train at unstable learning rates on purpose; left out.
-# spike_recovery's runs 0-2 are its clean arm (seeds 0, 1, 2, 400 steps each).
-REAL_CURVES = tuple(("spike_recovery", ("runs", k, "losses")) for k in range(3))
+# init_schemes' embed-LN arm at its lowest LR, seeds 0-2 (200 steps each).
+REAL_CURVES = tuple(("init_schemes", ("losses", f"embed LN@0.00316@{k}")) for k in range(3))
+#: Spike sizes (nats) and lengths (steps) of the power table, added to a falling loss.
+SPIKE_SIZES = (0.3, 0.5, 1.0, 2.0)
+SPIKE_LENGTHS = (1, 5, 20, 50)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -71,6 +77,8 @@ class Config:
     rise: float = 0.1
     rise_steps: int = 5000
     spike_every: int = 500
+    power_trials: int = 40
+    power_warm: int = 400
     trend_width: int = 51
     skip_frac: float = 0.2
     bootstrap_block: int = 100
@@ -79,7 +87,9 @@ class Config:
 
     @classmethod
     def quick(cls) -> Config:
-        return cls(steps=8000, seeds=1, phis=(0.0, 0.99), delay_seeds=1, warm_steps=3000)
+        return cls(
+            steps=8000, seeds=1, phis=(0.0, 0.99), delay_seeds=1, warm_steps=3000, power_trials=3
+        )
 
 
 def ar1(n: int, phi: float, std: float, rng: np.random.Generator) -> np.ndarray:
@@ -226,6 +236,113 @@ def spike_run(det_factory, x: np.ndarray, every: int) -> dict:
     }
 
 
+def falling_loss(n: int, noise: str, rng: np.random.Generator) -> np.ndarray:
+    """A healthy falling loss: 2 + exp(-t / 300) nats (3 at the start), with Student-t noise
+    (3 degrees of freedom, scale 5 % of the level) or AR(1) noise (phi 0.99, std 0.05)."""
+    level = LEVEL + np.exp(-np.arange(n) / 300.0)
+    if noise == "student_t3":
+        return level * (1 + STD * rng.standard_t(3, size=n))
+    return level + ar1(n, 0.99, STD, rng)
+
+
+def first_rollback(det, x: np.ndarray, start: int) -> tuple[int | None, int]:
+    """The first step >= ``start`` where ``det`` rolls back on ``x`` (None: never), and
+    the rollbacks before ``start`` (false ones)."""
+    early = 0
+    for s, v in enumerate(x.tolist()):
+        d = det.update(s, {"loss": v})
+        if d is not None and d.rolls_back:
+            if s >= start:
+                return s, early
+            early += 1
+    return None, early
+
+
+def spike_power(cfg: Config, rng: np.random.Generator) -> tuple[list[dict], dict]:
+    """Detection rate and delay of :class:`SpikeDetector` (defaults) on spikes of
+    :data:`SPIKE_SIZES` nats lasting :data:`SPIKE_LENGTHS` steps, added at a random step
+    after ``power_warm`` to a falling loss; caught when a rollback comes before the spike
+    has ended plus 20 steps (delay: from its first step)."""
+    rows, out = [], {}
+    for noise in ("student_t3", "phi0.99"):
+        for size in SPIKE_SIZES:
+            for length in SPIKE_LENGTHS:
+                delays, early = [], 0
+                for _ in range(cfg.power_trials):
+                    start = cfg.power_warm + int(rng.integers(0, 100))
+                    x = falling_loss(start + length + 20, noise, rng)
+                    x[start : start + length] += size
+                    at, e = first_rollback(stabljax.control.SpikeDetector(), x, start)
+                    early += e
+                    delays.append(None if at is None else at - start)
+                hit = [d for d in delays if d is not None]
+                key = f"{noise} +{size:g} nats x {length}"
+                out[key] = {
+                    "caught": len(hit) / len(delays),
+                    "delay_median": float(np.median(hit)) if hit else None,
+                    "delay_max": float(max(hit)) if hit else None,
+                    "false_before": early,
+                }
+                rows.append(
+                    {
+                        "test": f"spike power, falling {noise}: +{size:g} nats for {length} steps",
+                        "new": f"{100 * len(hit) / len(delays):.0f} %",
+                        "baseline": None,
+                        "unit": "caught; delay median/max steps: "
+                        + (f"{np.median(hit):.0f}/{max(hit)}" if hit else "-"),
+                    }
+                )
+    return rows, out
+
+
+def model_spikes() -> tuple[list[dict], dict]:
+    """The detector on the main job's model-made spikes: every unguarded run's kept losses
+    of the committed ``spike_recovery`` results, fed in order; each spike onset (> 0.5 nats
+    above the running minimum, :func:`experiments.slingshot.spikes`) is caught when a
+    rollback comes within 20 steps of it (delay from the onset; negative: before the loss
+    was 0.5 nats up). Rollbacks more than 20 steps from any onset are counted apart."""
+    from experiments.slingshot import spikes
+
+    f = RESULTS / "spike_recovery" / "results.json"
+    if not f.exists():
+        return [], {}
+    runs = json.loads(f.read_text())["results"].get("runs", [])
+    runs = [r for r in runs if r.get("arm") == "unguarded" and "kept_losses" in r]
+    delays, other, onsets_n, steps = [], 0, 0, 0
+    for r in runs:
+        x = np.asarray([np.nan if v is None else v for v in r["kept_losses"]], float)
+        onsets = spikes(x)
+        onsets_n += len(onsets)
+        steps += len(x)
+        det, fired = stabljax.control.SpikeDetector(), []
+        for s, v in enumerate(x.tolist()):
+            d = det.update(s, {"loss": v})
+            if d is not None and d.rolls_back:
+                fired.append(s)
+        for o in onsets:
+            near = [s - o for s in fired if -20 <= s - o <= 20]
+            delays.append(near[0] if near else None)
+        other += sum(all(abs(s - o) > 20 for o in onsets) for s in fired)
+    hit = [d for d in delays if d is not None]
+    res = {
+        "runs": len(runs),
+        "onsets": onsets_n,
+        "caught": len(hit) / max(1, len(delays)),
+        "delay_median": float(np.median(hit)) if hit else None,
+        "rollbacks_away_from_onsets": other,
+        "steps": steps,
+    }
+    row = {
+        "test": f"spike power, Slingshot (main job, unguarded, {len(runs)} runs, "
+        f"{onsets_n} spikes)",
+        "new": f"{100 * res['caught']:.0f} %",
+        "baseline": None,
+        "unit": f"caught; delay median {res['delay_median']} steps; "
+        f"{other} rollbacks > 20 steps from a spike",
+    }
+    return [row], res
+
+
 def run(cfg: Config, *, progress: bool = True) -> tuple[list[dict], dict]:
     rng = np.random.default_rng(cfg.seed)
     ratios_real, used = real_ratios(cfg)
@@ -316,6 +433,8 @@ def run(cfg: Config, *, progress: bool = True) -> tuple[list[dict], dict]:
         "lognormal": LEVEL * np.exp(0.3 * rng.standard_normal(cfg.steps)),
         "gaussian": LEVEL * (1 + STD * rng.standard_normal(cfg.steps)),
         "real": LEVEL + real_noise,
+        "phi0.99": LEVEL + ar1(cfg.steps, 0.99, STD, rng),
+        "phi0.999": LEVEL + ar1(cfg.steps, 0.999, STD, rng),
     }
     spikes = {}
     for name, x in heavy.items():
@@ -341,7 +460,13 @@ def run(cfg: Config, *, progress: bool = True) -> tuple[list[dict], dict]:
             }
         )
 
+    power_rows, power = spike_power(cfg, rng)
+    slingshot_rows, slingshot = model_spikes()
+    rows += power_rows + slingshot_rows
+
     results = {
+        "spike_power": power,
+        "spike_power_slingshot": slingshot,
         "slow_false_alarms": slow,
         "slow_delay": delays,
         "spike": spikes,
@@ -358,6 +483,7 @@ def run(cfg: Config, *, progress: bool = True) -> tuple[list[dict], dict]:
             **{f"slow_delay_median_steps_{k}": v["median"] for k, v in delays.items()},
             **{f"slow_delay_max_steps_{k}": v["max"] for k, v in delays.items()},
             **{f"spike_false_per_1000_{k}": v["false_per_1000"] for k, v in spikes.items()},
+            **{f"spike_false_per_1e5_{k}": 100 * v["false_per_1000"] for k, v in spikes.items()},
             **{f"spike_5x_caught_{k}": v["caught_fraction"] for k, v in spikes.items()},
         },
         "targets": TARGETS,

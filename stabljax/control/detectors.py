@@ -170,7 +170,8 @@ def _median(a: np.ndarray) -> float:
 
 
 class SpikeDetector(WatchesMetric):
-    r"""Flags values far above the median of a window of recent accepted values.
+    r"""Flags values far above the median of a window of recent accepted values, and
+    smaller rises that last.
 
     With :math:`m` the median and :math:`s = 1.4826\,\mathrm{MAD}` the robust scale (the
     standard deviation for normal data) of the last ``window`` accepted values, after
@@ -179,37 +180,49 @@ class SpikeDetector(WatchesMetric):
     .. math::
         x - m > \max(\text{threshold}\cdot s,\ \text{rel\_floor}\cdot|m|,\ \text{abs\_floor}),
 
-    one-sided (a falling loss is welcome). Median and MAD are not moved by the rare huge
-    values of a heavy-tailed but healthy loss, as a mean and a variance are, and the
-    floors are what keeps such tails quiet: on Student-t noise (3 degrees of freedom,
-    scale 5 % of the level), values 1.5 levels above the median come about 4·10⁻⁵ of the
-    steps, whatever a scale estimate says; on lognormal noise (σ = 0.3), 8 robust scales
-    are 2.4 medians, which a value exceeds in 2·10⁻⁵ of the steps.
-    ``experiments/bench/detectors.py`` measures the false-rollback rate on both (figures
-    in BUILD.md), and a 5× one-step spike (4 levels above) is still caught on both. The
-    price: by default a spike needs to be 2.5× the median; on a known low-noise run pass a
-    smaller ``rel_floor`` (OLMo-core's monitor is 6σ with no floor, LLM Foundry's 2× the
-    mean).
+    one-sided (a falling loss is welcome), or when, for some :math:`(k, c)` in
+    ``sustained``, the median :math:`m_k` of the last :math:`k` values (accepted or not) is
+
+    .. math::
+        m_k - m > \max(c\cdot s,\ \text{sustained\_floor}\cdot|m|,\ \text{abs\_floor}).
+
+    Median and MAD are not moved by the rare huge values of a heavy-tailed but healthy
+    loss, as a mean and a variance are, and the floors are what keeps such tails quiet: on
+    Student-t noise (3 degrees of freedom, scale 5 % of the level), values 1.5 levels above
+    the median come about 4·10⁻⁵ of the steps, whatever a scale estimate says. So a single
+    step must be 2.5× the median by default: no test on one value can tell a +1 nat spike
+    from such a tail. A rise that lasts can: the median of :math:`k` values exceeds a level
+    only when more than half of them do, which heavy-tailed noise almost never gives (about
+    :math:`\binom{k}{\lceil k/2\rceil} p^{\lceil k/2\rceil}` for a per-step tail probability
+    :math:`p`), so the ``sustained`` tests use lower thresholds and a 10 % floor: by default
+    a rise of 6 robust scales lasting 3 of 5 steps, or of 2.5 robust scales lasting 11 of 20.
+    ``experiments/bench/detectors.py`` measures the false rollbacks on healthy streams and
+    the detection rate and delay of spikes by size and length (figures in BUILD.md).
     The absolute floor keeps a loss at 0 (where :math:`m = s = 0`) from flagging 1e-7.
 
     Anomalous, non-finite and skipped-and-anomalous values never enter the window
     (non-finite ones are :class:`DivergenceDetector`'s). Consecutive anomalous values
     form an episode; its onset is the first of the run of values just before it that
     were already above :math:`m + \text{onset\_threshold}\cdot s` (the rise), else its
-    first anomalous value. The first anomalous value of an episode is reported; an
-    episode whose updates were all skipped (by a guard, or by a float16 overflow) is
-    recorded only until it lasts ``patience`` values, then rolls back; an anomalous value
-    whose update was applied rolls back at once.
+    first anomalous value (for a sustained rise, the first of its :math:`k` values). The
+    first anomalous value of an episode is reported; an episode whose updates were all
+    skipped (by a guard, or by a float16 overflow) is recorded only until it lasts
+    ``patience`` values, then rolls back; an anomalous value whose update was applied
+    rolls back at once.
 
     Args:
-      threshold: robust scales above the median; > 0.
-      rel_floor: minimum excess as a fraction of :math:`|m|`; >= 0.
-      abs_floor: minimum excess in the metric's units; >= 0.
+      threshold: robust scales above the median for one value; finite, > 0.
+      rel_floor: minimum excess of one value as a fraction of :math:`|m|`; finite, >= 0.
+      abs_floor: minimum excess in the metric's units; finite, >= 0.
       window: accepted values the median and MAD are taken over; >= 3.
       warmup: accepted values gathered before testing; in [1, window].
       onset_threshold: robust scales marking the rise before a spike; in
         (0, threshold].
       patience: consecutive skipped anomalous values tolerated; >= 1.
+      sustained: ``(k, c)`` pairs: the median of the last ``k`` values (an int >= 2) more
+        than ``c`` robust scales (finite, > 0) above :math:`m`; ``()`` turns the test off.
+      sustained_floor: minimum excess of a sustained median as a fraction of :math:`|m|`;
+        finite, >= 0.
       metric: the metrics key watched.
       name: the key of this detector's state in a checkpoint.
       extra_keys: your own ``aux`` keys that ``metric`` may name
@@ -222,6 +235,11 @@ class SpikeDetector(WatchesMetric):
       ...     d = det.update(step, {"loss": loss})
       >>> print(d.kind, d.step, d.onset, d.action, round(d.details["z"], 1))
       spike 6 6 rollback 188.6
+      >>> det = SpikeDetector(warmup=5)  # +1 (half the level) for 3 steps: sustained
+      >>> for step, loss in enumerate([2.0, 2.1, 1.9, 2.0, 2.05, 2.02, 3.0, 3.1, 3.0]):
+      ...     d = det.update(step, {"loss": loss})
+      >>> print(d.step, d.onset, d.details["rule"])
+      8 6 sustained 5
 
     References:
       Rousseeuw and Croux, `Alternatives to the Median Absolute Deviation
@@ -238,20 +256,26 @@ class SpikeDetector(WatchesMetric):
         warmup: int = 20,
         onset_threshold: float = 3.0,
         patience: int = 10,
+        sustained: Iterable[tuple[int, float]] = ((5, 6.0), (20, 2.5)),
+        sustained_floor: float = 0.1,
         metric: str = LOSS,
         name: str = "spike",
         extra_keys: Iterable[str] = (),
     ):
         who = "SpikeDetector"
-        validate(who, "threshold", threshold, lambda a: a > 0, "> 0")
-        validate(who, "rel_floor", rel_floor, lambda a: a >= 0, ">= 0")
-        validate(who, "abs_floor", abs_floor, lambda a: a >= 0, ">= 0")
+        finite = np.isfinite
+        validate(who, "threshold", threshold, lambda a: finite(a) & (a > 0), "finite and > 0")
+        for arg, v in (("rel_floor", rel_floor), ("abs_floor", abs_floor)):
+            validate(who, arg, v, lambda a: finite(a) & (a >= 0), "finite and >= 0")
         validate(who, "window", window, int_at_least(3), "an int >= 3")
         ok = int_at_least(1)
         validate(who, "warmup", warmup, lambda a: ok(a) and a <= window, "an int in [1, window]")
         ok = lambda a: (a > 0) & (a <= threshold)
         validate(who, "onset_threshold", onset_threshold, ok, "in (0, threshold]")
         validate(who, "patience", patience, int_at_least(1), "an int >= 1")
+        pairs = self._pairs(sustained)
+        ok = lambda a: finite(a) & (a >= 0)
+        validate(who, "sustained_floor", sustained_floor, ok, "finite and >= 0")
         self.threshold = float(threshold)
         self.rel_floor = float(rel_floor)
         self.abs_floor = float(abs_floor)
@@ -259,6 +283,9 @@ class SpikeDetector(WatchesMetric):
         self.warmup = int(warmup)
         self.onset_threshold = float(onset_threshold)
         self.patience = int(patience)
+        self.sustained = pairs
+        self.sustained_floor = float(sustained_floor)
+        self._keep = max((k for k, _ in pairs), default=0)
         self._watch(who, metric, name, extra_keys)
         self.set_state({})
 
@@ -294,22 +321,40 @@ class SpikeDetector(WatchesMetric):
         if len(self._values) > self.window:
             del self._values[0]
 
+    def _test(self, x: float, median: float, scale: float) -> tuple[float, float, str] | None:
+        """``(excess, required, rule)`` of the first rule ``x`` breaks, else None."""
+        need = max(self.threshold * scale, self.rel_floor * abs(median), self.abs_floor)
+        if x - median > need:
+            return x - median, need, "single"
+        floor = max(self.sustained_floor * abs(median), self.abs_floor)
+        for k, c in self.sustained:
+            if len(self._recent) < k:
+                continue
+            excess = _median(np.asarray(self._recent[-k:], np.float64)) - median
+            need = max(c * scale, floor)
+            if excess > need:
+                return excess, need, f"sustained {k}"
+        return None
+
     def update(self, step: int, metrics: Mapping[str, Any]) -> Detection | None:
         """Feeds the value of ``step``; returns a detection or ``None``."""
         x = value_of(metrics, self.metric)
         skipped = was_skipped(metrics)
         if not math.isfinite(x):
             return None
+        if self._keep:
+            self._recent = [*self._recent[-(self._keep - 1) :], x]
         if len(self._values) < self.warmup:
             self._accept(x)
             return None
         median, scale = self._stats()
-        excess = x - median
-        need = max(self.threshold * scale, self.rel_floor * abs(median), self.abs_floor)
-        if excess > need:
+        broken = self._test(x, median, scale)
+        if broken is not None:
+            excess, need, rule = broken
             first = self._onset is None
             if first:
-                self._onset = self._rise if self._rise is not None else int(step)
+                back = int(step) if rule == "single" else int(step) - int(rule.split()[1]) + 1
+                self._onset = self._rise if self._rise is not None else back
                 self._streak = 0
                 self._applied = False
             self._streak += 1
@@ -321,6 +366,7 @@ class SpikeDetector(WatchesMetric):
                 "z": z,
                 "excess": excess,
                 "required": need,
+                "rule": rule,
                 SKIPPED: skipped,
                 OVERFLOW: bool(metrics.get(OVERFLOW, False)),
                 "streak": self._streak,
@@ -333,14 +379,18 @@ class SpikeDetector(WatchesMetric):
                 action, why = "record", "a guard or an overflow skipped its update"
             else:
                 return None
+            what = f"{self.metric} {x:.6g} at step {step}"
+            if rule != "single":
+                k = rule.split()[1]
+                what = f"the median of the last {k} {self.metric} values at step {step}"
             reason = (
-                f"{self.metric} {x:.6g} at step {step} is {excess:.3g} above its running "
-                f"median {median:.6g} (robust scale {scale:.3g}, needs > {need:.3g}); {why}"
+                f"{what} is {excess:.3g} above its running median {median:.6g} (robust "
+                f"scale {scale:.3g}, needs > {need:.3g}); {why}"
             )
             return Detection("spike", int(step), self._onset, action, reason, x, details)
         self._onset = None
         self._streak = 0
-        if excess > self.onset_threshold * scale:
+        if x - median > self.onset_threshold * scale:
             if self._rise is None:
                 self._rise = int(step)
         else:
@@ -352,6 +402,7 @@ class SpikeDetector(WatchesMetric):
         return {
             "n": self._n,
             "values": list(self._values),
+            "recent": list(self._recent),
             "onset": self._onset,
             "rise": self._rise,
             "streak": self._streak,
@@ -361,16 +412,40 @@ class SpikeDetector(WatchesMetric):
     def set_state(self, state: Mapping[str, Any]) -> None:
         self._n = int(state.get("n", 0))
         self._values = [float(v) for v in state.get("values", [])][-self.window :]
+        keep = self._keep
+        self._recent = [float(v) for v in state.get("recent", [])][-keep:] if keep else []
         self._onset = state.get("onset")
         self._rise = state.get("rise")
         self._streak = int(state.get("streak", 0))
         self._applied = bool(state.get("applied", False))
 
+    @staticmethod
+    def _pairs(sustained: Any) -> tuple[tuple[int, float], ...]:
+        """SpikeDetector's ``sustained`` as a tuple of ``(k, c)``, each checked."""
+        try:
+            pairs = tuple((k, c) for k, c in sustained)
+        except (TypeError, ValueError):
+            raise ValueError(
+                f"SpikeDetector: `sustained` must be (k, c) pairs; got {sustained!r}."
+            ) from None
+        for k, c in pairs:
+            validate(
+                "SpikeDetector",
+                "sustained",
+                k,
+                int_at_least(2),
+                "(k, c) pairs with k an int >= 2",
+            )
+            ok = lambda a: np.isfinite(a) & (a > 0)
+            validate("SpikeDetector", "sustained", c, ok, "(k, c) pairs with c finite and > 0")
+        return tuple((int(k), float(c)) for k, c in pairs)
+
     def __repr__(self) -> str:
         return (
             f"SpikeDetector(threshold={self.threshold}, rel_floor={self.rel_floor}, "
             f"abs_floor={self.abs_floor}, window={self.window}, warmup={self.warmup}, "
-            f"patience={self.patience})"
+            f"patience={self.patience}, sustained={self.sustained}, "
+            f"sustained_floor={self.sustained_floor})"
         )
 
 
