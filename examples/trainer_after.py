@@ -23,9 +23,8 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import orbax.checkpoint as ocp
-from flax.training import train_state
-
 import stabljax
+from flax.training import train_state
 
 
 @dataclasses.dataclass(frozen=True)
@@ -104,7 +103,7 @@ def train_step(state, batch):
     updates, opt_state = state.tx.update(grads, state.opt_state, state.params, value=loss)
     params = optax.apply_updates(state.params, updates)
     state = state.replace(step=state.step + 1, params=params, opt_state=opt_state)
-    return state, {"loss": loss}
+    return state, {"loss": loss, "skipped": stabljax.any_skipped(opt_state)}
 
 
 @jax.jit
@@ -131,7 +130,7 @@ def train(cfg: Config, docs, held_out, workdir: pathlib.Path, on_step=None):
             ),
         )
         state = restored.state
-    ctl = stabljax.RollbackController(workdir / "stabljax", save_every=50)
+    ctl = stabljax.RollbackController(workdir / "ctl", screen_ahead=64, screen_step=train_step)
     state, it = ctl.restore_or_init(state, it)
     log = []
     while int(state.step) < cfg.steps:
