@@ -20,6 +20,7 @@ from stabljax import metrics as keys
 from stabljax.control.events import SCHEMA_VERSION, Event
 from stabljax.report import svg
 from stabljax.report.read import Run
+from stabljax.report.read import load_run as load_run  # its old home, still reachable
 from stabljax.telemetry import spike_score
 
 VERDICT_COLORS = {
