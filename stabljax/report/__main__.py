@@ -12,7 +12,8 @@ import argparse
 import os
 import sys
 
-from stabljax.report import load_run, write_page
+from stabljax.report import write_page
+from stabljax.report.read import load_run
 
 SHOWN = 5  # read warnings echoed to stderr (all of them are on the page)
 
