@@ -9,14 +9,14 @@ attention-logit control), ``qk_clip`` (:func:`stabljax.qk_clip` last in the chai
 ``qk_norm`` (qk-layernorm, Wortsman et al.'s remedy). Global-norm clipping at 1.0 on the
 gradients (before the optimizer) in every arm.
 
-τ = 100, Kimi K2's value, fixed in code before the run (an earlier run used τ = 20, chosen
-after seeing this proxy's logits: a choice a reviewer cannot audit, so it was dropped). At
-this size τ = 100 is reached only far above each optimizer's best LR. The primary metric, fixed here before any run (``PRIMARY``): the final
-held-out loss, paired per seed (remedy − none), per optimizer and per LR (not pooled);
-95 % paired t-intervals, exact sign-flip p-values, Holm's correction over the whole
-family (optimizers × remedies × LRs). The mechanism is the max attention logit over the
-last quarter of the run, which QK-Clip bounds by construction (it is reported, not
-claimed).
+τ = 100, Kimi K2's value, fixed in code before the run (an earlier run used τ = 20,
+chosen after seeing this proxy's logits: a choice a reviewer cannot audit, so it was
+dropped). At this size τ = 100 is reached only far above each optimizer's best LR. The
+primary metric, fixed here before any run (``PRIMARY``): the final held-out loss, paired
+per seed (remedy − none), per optimizer and per LR (not pooled); 95 % paired
+t-intervals, exact sign-flip p-values, Holm's correction over the whole family
+(optimizers × remedies × LRs). The mechanism is the max attention logit over the last
+quarter of the run, which QK-Clip bounds by construction (it is reported, not claimed).
 
     python -m experiments.qk_clip [--quick] [--muon-lrs 0.01 0.1 1] [--seeds 0 1 2] [--tau 100]
 
