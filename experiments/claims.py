@@ -343,7 +343,9 @@ def claims(results: pathlib.Path = RESULTS) -> str:
                 kinds = {}
                 for arm, verdict in v.items():
                     kinds.setdefault(verdict, []).append(arm)
-                line += " Verdict: " + "; ".join(f"{', '.join(a)}: {k}" for k, a in kinds.items()) + "."
+                line += (
+                    " Verdict: " + "; ".join(f"{', '.join(a)}: {k}" for k, a in kinds.items()) + "."
+                )
         out.append(line)
     return "\n".join(out) + "\n"
 

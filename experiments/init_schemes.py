@@ -31,6 +31,7 @@ References:
 from __future__ import annotations
 
 import dataclasses
+import pathlib
 
 import numpy as np
 
@@ -231,11 +232,23 @@ def main(argv=None) -> dict:
         r.pop("loss")
     res.update(rows=rows, scan=scan, losses=curves)
     ex.write(res, table=table, title="Initialisation and embedding remedies", summary=summary)
+    figures(cfg, scan, rows, summary, ex.out)
+    return res
+
+
+def replot(out) -> None:
+    """Redraws the figures from a stored results.json (no training run)."""
+    cfg, payload = plots.stored(out, Config)
+    res = payload["results"]
+    figures(cfg, res["scan"], res["rows"], payload["summary"], pathlib.Path(out))
+
+
+def figures(cfg: Config, scan: list[dict], rows: list[dict], summary: dict, out) -> None:
     plots.metric_vs_lr(
         scan,
         y="final_loss",
         group="arm",
-        path=ex.out / "lr_scan.png",
+        path=out / "lr_scan.png",
         title=f"base arm LR scan, d{cfg.d_model}x{cfg.n_layers}, {cfg.steps} steps",
         ylabel="final held-out loss (nats/byte)",
         fallback="init_loss",
@@ -244,17 +257,16 @@ def main(argv=None) -> dict:
         rows,
         y="final_loss",
         group="arm",
-        path=ex.out / "init.png",
+        path=out / "init.png",
         title=f"remedies at the comparison LRs, {len(cfg.seeds)} seeds",
         ylabel="final held-out loss (nats/byte)",
         fallback="init_loss",
     )
     plots.effects(
         summary["remedies"],
-        path=ex.out / "effects.png",
+        path=out / "effects.png",
         title=f"remedy − fixed:0.02, paired t 95% CI, Holm over {len(summary['remedies'])}",
     )
-    return res
 
 
 if __name__ == "__main__":

@@ -1,7 +1,7 @@
 """Regenerates the table at the top of experiments/README.md and the experiment claims in
 the top-level README.md from every results.json.
 
-    python -m experiments.summary_table [--check] [--rederive]
+    python -m experiments.summary_table [--check] [--rederive] [--replot]
 
 One row per remedy of every experiment's ``summary``, and one claims line per experiment
 (:mod:`experiments.claims`: LR multiples, stress tests, best loss per arm); ``--check``
@@ -13,6 +13,7 @@ the rows stored there (no training run).
 from __future__ import annotations
 
 import argparse
+import importlib
 import pathlib
 import sys
 
@@ -33,6 +34,16 @@ README = pathlib.Path(__file__).resolve().parent / "README.md"
 TOP_README = pathlib.Path(__file__).resolve().parent.parent / "README.md"
 START, END = "<!-- summary-table:start -->", "<!-- summary-table:end -->"
 CLAIMS = ("<!-- experiment-claims:start -->", "<!-- experiment-claims:end -->")
+#: The experiments whose module has ``replot(out)`` (figures from a stored results.json).
+REPLOT = (
+    "adam_eps",
+    "precision",
+    "warmup",
+    "clipping",
+    "init_schemes",
+    "qk_clip",
+    "lr_sensitivity",
+)
 
 
 def _yes(x) -> str:
@@ -98,7 +109,17 @@ def main(argv=None) -> int:
         help="write each summary's best_per_arm into its results.json, derived from the stored "
         "per-LR, per-seed rows (no training run)",
     )
+    p.add_argument(
+        "--replot",
+        action="store_true",
+        help="redraw the LR figures of every experiment with a replot() from its stored "
+        "results.json (no training run)",
+    )
     args = p.parse_args(argv)
+    if args.replot:
+        for name in REPLOT:
+            importlib.import_module(f"experiments.{name}").replot(RESULTS / name)
+            print(f"{name}: figures redrawn from results.json")
     if args.rederive:
         for _, path in rederive():
             print(f"{path}: summary.best_per_arm re-derived from its rows")
