@@ -26,6 +26,7 @@ from experiments.claims import (
     rederive,
     regime,
     summaries,
+    verdicts,
     where_text,
 )
 from experiments.common import RESULTS
@@ -34,6 +35,7 @@ README = pathlib.Path(__file__).resolve().parent / "README.md"
 TOP_README = pathlib.Path(__file__).resolve().parent.parent / "README.md"
 START, END = "<!-- summary-table:start -->", "<!-- summary-table:end -->"
 CLAIMS = ("<!-- experiment-claims:start -->", "<!-- experiment-claims:end -->")
+BEST = ("<!-- best-loss:start -->", "<!-- best-loss:end -->")
 #: The experiments whose module has ``replot(out)`` (figures from a stored results.json).
 REPLOT = (
     "adam_eps",
@@ -88,6 +90,39 @@ def table(results: pathlib.Path = RESULTS) -> str:
     return "\n".join(lines) + "\n"
 
 
+def best_table(results: pathlib.Path = RESULTS) -> str:
+    """The Markdown table of each arm's best loss at its own best LR against the base's,
+    re-derived from the stored rows (:func:`experiments.claims.best_block`), with the
+    verdict: lowers the best loss, or only widens the stable LR range, or neither."""
+    lines = [
+        "| experiment | arm | best LR | best loss (mean [95% t-CI]) | remedy − base at each "
+        "one's best LR [95% paired t-CI] | p (Holm over these) | verdict |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for name, payload in payloads(results):
+        best = best_block(name, payload)
+        if not best:
+            continue
+        verdict = verdicts(name, payload["summary"], best)
+        for group, arms in best.items():
+            for arm, e in arms.items():
+                b = e["best_loss"]
+                vs = e.get("vs_base")
+                diff = (
+                    "base"
+                    if vs is None
+                    else f"{num(vs['effect_mean'])} "
+                    + (f"[{num(vs['ci95'][0])}, {num(vs['ci95'][1])}]")
+                )
+                key = f"{group} {arm}".strip()
+                lines.append(
+                    f"| {name} | {key} | {e['best_lr']:g} | {b['mean']:.3f} "
+                    f"[{b['ci95'][0]:.3f}, {b['ci95'][1]:.3f}] | {diff} "
+                    f"| {p_text(vs and vs.get('p_holm'))} | {verdict.get(key, '')} |"
+                )
+    return "\n".join(lines) + "\n"
+
+
 def render(readme: str, body: str, markers: tuple[str, str] = (START, END)) -> str:
     """``readme`` with the text between the markers replaced by ``body``."""
     start, end = markers
@@ -123,7 +158,11 @@ def main(argv=None) -> int:
     if args.rederive:
         for _, path in rederive():
             print(f"{path}: summary.best_per_arm re-derived from its rows")
-    targets = [(README, table(), (START, END)), (TOP_README, claims(), CLAIMS)]
+    targets = [
+        (README, table(), (START, END)),
+        (README, best_table(), BEST),
+        (TOP_README, claims(), CLAIMS),
+    ]
     stale = []
     for path, body, markers in targets:
         text = path.read_text()
