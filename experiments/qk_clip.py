@@ -63,6 +63,10 @@ class Config(proxy.SweepConfig):
     #: Extra LRs run for the ``none`` arm only, so each optimizer's grid record spans
     #: issue 29's 1e-4..1 (the family compares remedies on ``<opt>_lrs`` alone).
     scan_lrs: tuple[float, ...] = (1e-4, 1e-3, 1.0)
+    #: A stored results.json whose ``none`` and ``qk_norm`` rows (which τ does not touch)
+    #: are reused instead of re-run, e.g. to re-run the ``qk_clip`` arm at a new τ alone;
+    #: its config must equal this one but for ``tau``. Empty: run every arm.
+    reuse: str = ""
 
     @classmethod
     def quick(cls):
@@ -133,8 +137,13 @@ def probes(arm: str) -> dict:
 def run(cfg: Config, bar) -> tuple[list[dict], dict]:
     rows, curves = [], {}
     tail = max(1, cfg.steps // 4)
+    stored = reused(cfg)
     for opt in cfg.optimizers:
         for arm in cfg.arms:
+            if stored is not None and arm != "qk_clip":
+                rows += [r for r in stored["rows"] if (r["optimizer"], r["arm"]) == (opt, arm)]
+                curves[(opt, arm)] = stored["curves"][(opt, arm)]
+                continue
             specs = [
                 {"seed": sd, "learning_rate": lr} for lr in cfg.lrs(opt, arm) for sd in cfg.seeds
             ]
@@ -162,6 +171,34 @@ def run(cfg: Config, bar) -> tuple[list[dict], dict]:
                 )
             curves[(opt, arm)] = {"logit": m["max_attn_logit"], "loss": m["loss"], "specs": r.specs}
     return rows, curves
+
+
+def reused(cfg: Config) -> dict | None:
+    """The rows and max-logit curves of ``cfg.reuse`` (None without it). The curves were
+    stored every ``max_logit_every`` steps; each value is repeated back to one per step, so
+    that storing them again gives the same numbers."""
+    if not cfg.reuse:
+        return None
+    old, payload = plots.stored(pathlib.Path(cfg.reuse).parent, Config)
+    diff = {
+        f.name
+        for f in dataclasses.fields(Config)
+        if f.name not in ("tau", "reuse") and getattr(old, f.name) != getattr(cfg, f.name)
+    }
+    if diff:
+        raise ValueError(f"qk_clip: `reuse` was run with other settings: {sorted(diff)}")
+    res, every = payload["results"], payload["results"]["max_logit_every"]
+    curves = {}
+    for key, by_lr in res["max_logit_curves"].items():
+        opt, arm = key.split()
+        lrs = cfg.lrs(opt)  # the curves were stored at the family's LRs only
+        specs = [{"seed": sd, "learning_rate": lr} for lr in lrs for sd in cfg.seeds]
+        logit = np.concatenate([np.asarray(by_lr[f"lr {lr:g}"]) for lr in lrs])
+        curves[(opt, arm)] = {
+            "logit": np.repeat(logit, every, axis=1)[:, : cfg.steps],
+            "specs": specs,
+        }
+    return {"rows": res["rows"], "curves": curves}
 
 
 def summarize(cfg: Config, rows: list[dict]) -> tuple[dict, dict]:
