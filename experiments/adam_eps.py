@@ -41,7 +41,7 @@ import numpy as np
 import optax
 
 import stabljax
-from experiments import cli, common, plots, proxy, stats
+from experiments import claims, cli, common, plots, proxy, stats
 from experiments.measure import EPS, adam_moments, mechanism
 from experiments.trainer import Trainer
 from stabljax.telemetry import path_str
@@ -345,6 +345,7 @@ def main(argv=None) -> dict:
     summary, effects = summarize(cfg, rows)
     res = {"primary_metric": PRIMARY, "rows": rows, "effects": effects}
     title = "Adam eps: the model's gradients, and a hand-set x1e-8 stress test"
+    summary["best_per_arm"] = claims.best_block("adam_eps", {"summary": summary, "results": res})
     ex.write(res, table=tables(cfg, rows, summary), title=title, summary=summary)
     lr_figures(cfg, rows, out)
     mechanism_figure(cfg, curves, best_lr(cfg, rows), out / "mechanism.png")

@@ -36,7 +36,7 @@ import numpy as np
 import optax
 
 import stabljax
-from experiments import cli, common, plots, proxy, stats
+from experiments import claims, cli, common, plots, proxy, stats
 from experiments.trainer import Trainer
 
 #: The primary metric, declared before the run: lower is better.
@@ -286,6 +286,7 @@ def main(argv=None) -> dict:
         },
     }
     table = tables(cfg, rows, summary)
+    summary["best_per_arm"] = claims.best_block("clipping", {"summary": summary, "results": res})
     ex.write(
         res, table=table, title="Clipping against high-learning-rate failures", summary=summary
     )

@@ -35,7 +35,7 @@ import pathlib
 
 import numpy as np
 
-from experiments import cli, common, plots, proxy, stats
+from experiments import claims, cli, common, plots, proxy, stats
 from experiments.trainer import Trainer
 
 BASE = "fixed:0.02"
@@ -231,6 +231,9 @@ def main(argv=None) -> dict:
     for r in scan:
         r.pop("loss")
     res.update(rows=rows, scan=scan, losses=curves)
+    summary["best_per_arm"] = claims.best_block(
+        "init_schemes", {"summary": summary, "results": res}
+    )
     ex.write(res, table=table, title="Initialisation and embedding remedies", summary=summary)
     figures(cfg, scan, rows, summary, ex.out)
     return res

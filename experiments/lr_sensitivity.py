@@ -32,7 +32,7 @@ import pathlib
 
 import numpy as np
 
-from experiments import cli, common, plots, proxy, stats
+from experiments import claims, cli, common, plots, proxy, stats
 from experiments.trainer import Trainer
 
 #: The primary metric, declared before the run: one value per seed (lower is better).
@@ -383,6 +383,9 @@ def main(argv=None) -> dict:
             for (s, a), c in curves.items()
         },
     }
+    summary["best_per_arm"] = claims.best_block(
+        "lr_sensitivity", {"summary": summary, "results": res}
+    )
     ex.write(res, table=table, title="LR sensitivity with qk-layernorm and z-loss", summary=summary)
     figures(cfg, rows, summary, curves, out)
     return res

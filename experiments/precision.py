@@ -43,7 +43,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import stabljax
-from experiments import cli, common, plots, proxy, stats
+from experiments import claims, cli, common, plots, proxy, stats
 from experiments.measure import Diagnoser
 from experiments.trainer import Trainer
 
@@ -336,6 +336,7 @@ def main(argv=None) -> dict:
         "losses_top_lr_every_5": losses,
     }
     title = TITLE
+    summary["best_per_arm"] = claims.best_block("precision", {"summary": summary, "results": res})
     ex.write(res, table=tables(cfg, rows, summary, diagnoses), title=title, summary=summary)
     figures(cfg, rows, summary, out)
     return res

@@ -38,7 +38,7 @@ import numpy as np
 import optax
 
 import stabljax
-from experiments import cli, common, plots, proxy, stats
+from experiments import claims, cli, common, plots, proxy, stats
 from experiments.trainer import Trainer
 from stabljax.telemetry import path_str, spike_score
 
@@ -384,6 +384,7 @@ def main(argv=None) -> dict:
             for (o, a), c in curves.items()
         },
     }
+    summary["best_per_arm"] = claims.best_block("qk_clip", {"summary": summary, "results": res})
     ex.write(res, table=table, title="QK-Clip against attention-logit growth", summary=summary)
     figures(cfg, rows, curves, summary, out)
     return res

@@ -36,7 +36,7 @@ import pathlib
 
 import numpy as np
 
-from experiments import cli, common, plots, proxy, stats
+from experiments import claims, cli, common, plots, proxy, stats
 from experiments.trainer import Trainer
 
 #: The primary metric, declared before the run: lower is better.
@@ -296,6 +296,7 @@ def main(argv=None) -> dict:
         },
     }
     table = tables(cfg, rows, summary, effects)
+    summary["best_per_arm"] = claims.best_block("warmup", {"summary": summary, "results": res})
     ex.write(res, table=table, title="Warmup against high-learning-rate failures", summary=summary)
     figures(cfg, rows, curves, summary, effects, ex.out)
     return res
