@@ -31,6 +31,7 @@ References:
 from __future__ import annotations
 
 import dataclasses
+import json
 import pathlib
 
 import numpy as np
@@ -123,6 +124,30 @@ def run(cfg: Config, bar) -> tuple[list[dict], list[dict], dict, list[float]]:
     lrs = compare_lrs(cfg, grid)
     rows = [r for arm in cfg.arms for r in train(cfg, arm, lrs, cfg.seeds, bar)]
     return scan, rows, grid, lrs
+
+
+def rescan(out, seeds) -> dict:
+    """Adds ``seeds`` to the LR scan of a stored run (issue 39: a best LR from >= 3 seeds):
+    trains the base arm over ``scan_lrs`` for them, appends the rows to ``results.scan``,
+    recomputes ``summary.lr_grid`` from every scan seed, and records whether the stored
+    comparison LRs still follow from it (``compare_lrs_follow``). Writes results.json back
+    (nothing else is re-run) and returns the new grid."""
+    out = pathlib.Path(out)
+    cfg, payload = plots.stored(out, Config)
+    res, summary = payload["results"], payload["summary"]
+    new = train(cfg, BASE, cfg.scan_lrs, tuple(seeds), common.progress_bar(0, "", disable=True))
+    res["scan"] += [{k: v for k, v in r.items() if k != "loss"} for r in new]
+    n = len({r["seed"] for r in res["scan"]})
+    grid = stats.grid_of(res["scan"])
+    grid["arm"] = f"{BASE}, {n} seeds, {cfg.steps} steps"
+    grid["compare_lrs_follow"] = compare_lrs(cfg, grid) == res["compare_lrs"]
+    summary["lr_grid"] = grid
+    summary["note"] += f"; scan re-derived with {n} seeds (rescan: {list(seeds)} added)"
+    payload["config"]["scan_seeds"] = sorted({r["seed"] for r in res["scan"]})
+    (out / "results.json").write_text(
+        json.dumps(common.jsonable(payload), indent=1, sort_keys=True) + "\n"
+    )
+    return grid
 
 
 def summarize(cfg: Config, rows, grid, lrs) -> tuple[dict, dict]:
