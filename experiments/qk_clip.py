@@ -174,9 +174,8 @@ def run(cfg: Config, bar) -> tuple[list[dict], dict]:
 
 
 def reused(cfg: Config) -> dict | None:
-    """The rows and max-logit curves of ``cfg.reuse`` (None without it). The curves were
-    stored every ``max_logit_every`` steps; each value is repeated back to one per step, so
-    that storing them again gives the same numbers."""
+    """The rows and max-logit curves of ``cfg.reuse`` (None without it); each stored curve
+    value is repeated back to one per step, so storing them again gives the same numbers."""
     if not cfg.reuse:
         return None
     old, payload = plots.stored(pathlib.Path(cfg.reuse).parent, Config)
@@ -304,26 +303,31 @@ def tables(cfg: Config, rows: list[dict], summary: dict, effects: dict) -> str:
 
 
 def figures(cfg: Config, rows: list[dict], curves: dict, summary: dict, out: pathlib.Path):
+    """Kimi K2's Fig. 2 (max logit against step, every arm at the top two LRs) and the loss
+    figures; ``curves[(opt, arm)]["lr <lr>"]`` is ``[seeds, steps / every]``."""
     plt = plots.pyplot()
-    # Kimi K2's Fig. 2: max logit against step, without control and with QK-Clip.
-    n_top = min(2, min(len(cfg.lrs(o)) for o in cfg.optimizers))
+    n_top, every = min(2, min(len(cfg.lrs(o)) for o in cfg.optimizers)), curves["every"]
     fig, axes = plt.subplots(
-        len(cfg.optimizers), n_top, figsize=(5 * n_top, 3.4 * len(cfg.optimizers)), squeeze=False
+        len(cfg.optimizers),
+        n_top,
+        figsize=(5.6 * n_top, 3.4 * len(cfg.optimizers)),
+        squeeze=False,
+        layout="constrained",
     )
     for i, opt in enumerate(cfg.optimizers):
         for j, lr in enumerate(sorted(cfg.lrs(opt))[-n_top:]):
             ax = axes[i][j]
             for arm in cfg.arms:
-                c = curves[(opt, arm)]
-                idx = [k for k, sp in enumerate(c["specs"]) if sp["learning_rate"] == lr]
-                ys = np.asarray(c["logit"])[idx]
-                plots.seed_lines(ax, np.arange(ys.shape[1]), ys, color=COLORS[arm], name=arm)
+                ys = np.asarray(curves[f"{opt} {arm}"][f"lr {lr:g}"], dtype=float)
+                x = np.arange(ys.shape[1]) * every
+                plots.seed_lines(ax, x, ys, color=COLORS[arm], name=arm)
             ax.axhline(cfg.tau, color="k", ls="--", lw=0.8, label=f"τ = {cfg.tau:g}")
             ax.set_yscale("log")
             ax.set_xlabel("step")
             ax.set_ylabel("max attention logit")
             plots.label(ax, f"{opt}, lr {lr:g}")
-            plots.legend_outside(ax)
+            if j == n_top - 1:
+                plots.legend_outside(ax)
     plots.save_figure(fig, out / "max_logit.png")
     loss_figure(cfg, rows, summary, out)
 
@@ -355,9 +359,11 @@ def loss_figure(cfg: Config, rows: list[dict], summary: dict, out: pathlib.Path)
 
 
 def replot(out: pathlib.Path) -> None:
-    """Redraws the loss figures from a stored results.json (no training run)."""
+    """Redraws the figures from a stored results.json (no training run)."""
     cfg, payload = plots.stored(out, Config)
-    loss_figure(cfg, payload["results"]["rows"], payload["summary"], pathlib.Path(out))
+    res = payload["results"]
+    curves = {**res["max_logit_curves"], "every": res["max_logit_every"]}
+    figures(cfg, res["rows"], curves, payload["summary"], pathlib.Path(out))
 
 
 def main(argv=None) -> dict:
@@ -386,7 +392,7 @@ def main(argv=None) -> dict:
     }
     summary["best_per_arm"] = claims.best_block("qk_clip", {"summary": summary, "results": res})
     ex.write(res, table=table, title="QK-Clip against attention-logit growth", summary=summary)
-    figures(cfg, rows, curves, summary, out)
+    figures(cfg, rows, {**res["max_logit_curves"], "every": every}, summary, out)
     return res
 
 
