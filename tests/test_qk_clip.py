@@ -626,6 +626,14 @@ def test_a_missing_layer_is_a_clear_error_not_a_keyerror():
         opt.update(params, state, params, max_logits={0: jnp.ones(2)})
     with pytest.raises(ValueError, match="no entry for layer 1"):  # [n_layers, n_heads] too
         opt.update(params, state, params, max_logits=jnp.ones((1, 2)))
+    with pytest.raises(ValueError, match="no entry for layer 1"):  # and a list of layers
+        opt.update(params, state, params, max_logits=[jnp.ones(2)])
+    with pytest.raises(ValueError, match="no entry for layer 0"):
+        opt.update(params, state, params, max_logits=jnp.ones(()))
+    ml = [jnp.array([40.0, 1.0]), jnp.array([1.0, 1.0])]  # a full list is accepted
+    u, _ = jax.jit(opt.update)(optax.tree.zeros_like(params), state, params, max_logits=ml)
+    new = optax.apply_updates(params, u)
+    np.testing.assert_allclose(new["l0"]["k"][:, :HD], params["l0"]["k"][:, :HD] * 0.5, rtol=1e-6)
 
 
 @pytest.mark.parametrize(

@@ -276,10 +276,13 @@ def qk_logit_proxy(layers: Mapping[Hashable, QKLayer], params: Any) -> dict[str,
 def layer_logits(max_logits: Any, name: Hashable, owner: str = _OWNER) -> jax.Array:
     """``max_logits[name]``, or a ValueError naming the layer when it has no such entry
     (a ``[n_layers, n_heads]`` array is checked too: indexing would clamp, not fail)."""
-    if hasattr(max_logits, "shape") and not isinstance(max_logits, Mapping):
-        ok = isinstance(name, int) and 0 <= name < (max_logits.shape or (0,))[0]
-    else:
-        ok = isinstance(max_logits, Mapping) and name in max_logits
+    if isinstance(max_logits, Mapping):
+        ok = name in max_logits
+    else:  # an array or a list indexed by the layer number
+        n = (jnp.shape(max_logits) or (0,))[0] if hasattr(max_logits, "shape") else None
+        n = len(max_logits) if n is None and isinstance(max_logits, Sequence) else n
+        ok = n is not None and isinstance(name, int) and not isinstance(name, bool)
+        ok = ok and 0 <= name < n
     if not ok:
         raise ValueError(
             f"{owner}: `max_logits` has no entry for layer {name!r} (declared in `layers`); "
