@@ -34,13 +34,14 @@ References:
 from __future__ import annotations
 
 import dataclasses
+import pathlib
 
 import jax
 import numpy as np
 import optax
 
 import stabljax
-from experiments import cli, common, plots, proxy, stats
+from experiments import claims, cli, common, plots, proxy, stats
 from experiments.measure import EPS, adam_moments, mechanism
 from experiments.trainer import Trainer
 from stabljax.telemetry import path_str
@@ -344,7 +345,21 @@ def main(argv=None) -> dict:
     summary, effects = summarize(cfg, rows)
     res = {"primary_metric": PRIMARY, "rows": rows, "effects": effects}
     title = "Adam eps: the model's gradients, and a hand-set x1e-8 stress test"
+    summary["best_per_arm"] = claims.best_block("adam_eps", {"summary": summary, "results": res})
     ex.write(res, table=tables(cfg, rows, summary), title=title, summary=summary)
+    lr_figures(cfg, rows, out)
+    mechanism_figure(cfg, curves, best_lr(cfg, rows), out / "mechanism.png")
+    plots.effects(summary["remedies"], path=out / "effects.png", title=title)
+    return res
+
+
+def replot(out) -> None:
+    """Redraws the LR figures from a stored results.json (no training run)."""
+    cfg, payload = plots.stored(out, Config)
+    lr_figures(cfg, payload["results"]["rows"], pathlib.Path(out))
+
+
+def lr_figures(cfg: Config, rows: list[dict], out) -> None:
     nat = [r for r in rows if r["condition"] == "x1"]
     plots.metric_vs_lr(
         nat,
@@ -363,9 +378,6 @@ def main(argv=None) -> dict:
         title="sign-like updates, last quarter",
         ylabel="fraction of coordinates with | |u|-1 | < 0.1",
     )
-    mechanism_figure(cfg, curves, best_lr(cfg, rows), out / "mechanism.png")
-    plots.effects(summary["remedies"], path=out / "effects.png", title=title)
-    return res
 
 
 if __name__ == "__main__":

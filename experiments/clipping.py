@@ -36,7 +36,7 @@ import numpy as np
 import optax
 
 import stabljax
-from experiments import cli, common, plots, proxy, stats
+from experiments import claims, cli, common, plots, proxy, stats
 from experiments.trainer import Trainer
 
 #: The primary metric, declared before the run: lower is better.
@@ -234,6 +234,24 @@ def tables(cfg: Config, rows: list[dict], summary: dict) -> str:
 
 
 def figures(cfg, rows, curves, summary, effects, out: pathlib.Path) -> None:
+    lr_figures(cfg, rows, summary, out)
+    shown = sorted({max(effects["compared_lrs"]), max(cfg.lrs)})
+    panels = {
+        f"lr {lr:g} ({lr / effects['best_lr_none']:.3g}x best)": {
+            a: c[lr] for a, c in curves.items()
+        }
+        for lr in shown
+    }
+    plots.loss_curves(panels, out / "loss.png")
+
+
+def replot(out) -> None:
+    """Redraws the LR figures from a stored results.json (no training run)."""
+    cfg, payload = plots.stored(out, Config)
+    lr_figures(cfg, payload["results"]["rows"], payload["summary"], pathlib.Path(out))
+
+
+def lr_figures(cfg, rows, summary, out: pathlib.Path) -> None:
     plots.metric_vs_lr(
         rows,
         y=PRIMARY,
@@ -249,14 +267,6 @@ def figures(cfg, rows, curves, summary, effects, out: pathlib.Path) -> None:
         title=f"clipping, final held-out loss, {len(cfg.seeds)} seeds "
         f"(Holm over {len(summary['remedies'])})",
     )
-    shown = sorted({max(effects["compared_lrs"]), max(cfg.lrs)})
-    panels = {
-        f"lr {lr:g} ({lr / effects['best_lr_none']:.3g}x best)": {
-            a: c[lr] for a, c in curves.items()
-        }
-        for lr in shown
-    }
-    plots.loss_curves(panels, out / "loss.png")
 
 
 def main(argv=None) -> dict:
@@ -276,6 +286,7 @@ def main(argv=None) -> dict:
         },
     }
     table = tables(cfg, rows, summary)
+    summary["best_per_arm"] = claims.best_block("clipping", {"summary": summary, "results": res})
     ex.write(
         res, table=table, title="Clipping against high-learning-rate failures", summary=summary
     )

@@ -31,10 +31,12 @@ References:
 from __future__ import annotations
 
 import dataclasses
+import json
+import pathlib
 
 import numpy as np
 
-from experiments import cli, common, plots, proxy, stats
+from experiments import claims, cli, common, plots, proxy, stats
 from experiments.trainer import Trainer
 
 BASE = "fixed:0.02"
@@ -122,6 +124,30 @@ def run(cfg: Config, bar) -> tuple[list[dict], list[dict], dict, list[float]]:
     lrs = compare_lrs(cfg, grid)
     rows = [r for arm in cfg.arms for r in train(cfg, arm, lrs, cfg.seeds, bar)]
     return scan, rows, grid, lrs
+
+
+def rescan(out, seeds) -> dict:
+    """Adds ``seeds`` to the LR scan of a stored run (issue 39: a best LR from >= 3 seeds):
+    trains the base arm over ``scan_lrs`` for them, appends the rows to ``results.scan``,
+    recomputes ``summary.lr_grid`` from every scan seed, and records whether the stored
+    comparison LRs still follow from it (``compare_lrs_follow``). Writes results.json back
+    (nothing else is re-run) and returns the new grid."""
+    out = pathlib.Path(out)
+    cfg, payload = plots.stored(out, Config)
+    res, summary = payload["results"], payload["summary"]
+    new = train(cfg, BASE, cfg.scan_lrs, tuple(seeds), common.progress_bar(0, "", disable=True))
+    res["scan"] += [{k: v for k, v in r.items() if k != "loss"} for r in new]
+    n = len({r["seed"] for r in res["scan"]})
+    grid = stats.grid_of(res["scan"])
+    grid["arm"] = f"{BASE}, {n} seeds, {cfg.steps} steps"
+    grid["compare_lrs_follow"] = compare_lrs(cfg, grid) == res["compare_lrs"]
+    summary["lr_grid"] = grid
+    summary["note"] += f"; scan re-derived with {n} seeds (rescan: {list(seeds)} added)"
+    payload["config"]["scan_seeds"] = sorted({r["seed"] for r in res["scan"]})
+    (out / "results.json").write_text(
+        json.dumps(common.jsonable(payload), indent=1, sort_keys=True) + "\n"
+    )
+    return grid
 
 
 def summarize(cfg: Config, rows, grid, lrs) -> tuple[dict, dict]:
@@ -230,12 +256,27 @@ def main(argv=None) -> dict:
     for r in scan:
         r.pop("loss")
     res.update(rows=rows, scan=scan, losses=curves)
+    summary["best_per_arm"] = claims.best_block(
+        "init_schemes", {"summary": summary, "results": res}
+    )
     ex.write(res, table=table, title="Initialisation and embedding remedies", summary=summary)
+    figures(cfg, scan, rows, summary, ex.out)
+    return res
+
+
+def replot(out) -> None:
+    """Redraws the figures from a stored results.json (no training run)."""
+    cfg, payload = plots.stored(out, Config)
+    res = payload["results"]
+    figures(cfg, res["scan"], res["rows"], payload["summary"], pathlib.Path(out))
+
+
+def figures(cfg: Config, scan: list[dict], rows: list[dict], summary: dict, out) -> None:
     plots.metric_vs_lr(
         scan,
         y="final_loss",
         group="arm",
-        path=ex.out / "lr_scan.png",
+        path=out / "lr_scan.png",
         title=f"base arm LR scan, d{cfg.d_model}x{cfg.n_layers}, {cfg.steps} steps",
         ylabel="final held-out loss (nats/byte)",
         fallback="init_loss",
@@ -244,17 +285,16 @@ def main(argv=None) -> dict:
         rows,
         y="final_loss",
         group="arm",
-        path=ex.out / "init.png",
+        path=out / "init.png",
         title=f"remedies at the comparison LRs, {len(cfg.seeds)} seeds",
         ylabel="final held-out loss (nats/byte)",
         fallback="init_loss",
     )
     plots.effects(
         summary["remedies"],
-        path=ex.out / "effects.png",
+        path=out / "effects.png",
         title=f"remedy − fixed:0.02, paired t 95% CI, Holm over {len(summary['remedies'])}",
     )
-    return res
 
 
 if __name__ == "__main__":

@@ -32,7 +32,7 @@ import pathlib
 
 import numpy as np
 
-from experiments import cli, common, plots, proxy, stats
+from experiments import claims, cli, common, plots, proxy, stats
 from experiments.trainer import Trainer
 
 #: The primary metric, declared before the run: one value per seed (lower is better).
@@ -305,7 +305,18 @@ def tables(cfg: Config, rows: list[dict], summary: dict, effects: dict) -> str:
     )
 
 
+def replot(out) -> None:
+    """Redraws the LR figures from a stored results.json (no training run)."""
+    cfg, payload = plots.stored(out, Config)
+    lr_figures(cfg, payload["results"]["rows"], payload["summary"], pathlib.Path(out))
+
+
 def figures(cfg: Config, rows: list[dict], summary: dict, curves: dict, out: pathlib.Path):
+    lr_figures(cfg, rows, summary, out)
+    curve_figure(cfg, summary, curves, out)
+
+
+def lr_figures(cfg: Config, rows: list[dict], summary: dict, out: pathlib.Path) -> None:
     for y, name, title, ylabel in VS_LR:
         plots.metric_vs_lr(
             rows,
@@ -329,6 +340,9 @@ def figures(cfg: Config, rows: list[dict], summary: dict, curves: dict, out: pat
         path=out / "sensitivity.png",
         ylabel="LR sensitivity (nats/byte)",
     )
+
+
+def curve_figure(cfg: Config, summary: dict, curves: dict, out: pathlib.Path) -> None:
     size = summary["sizes"][-1]
     lr = max(cfg.lrs)
     panels = {}
@@ -369,6 +383,9 @@ def main(argv=None) -> dict:
             for (s, a), c in curves.items()
         },
     }
+    summary["best_per_arm"] = claims.best_block(
+        "lr_sensitivity", {"summary": summary, "results": res}
+    )
     ex.write(res, table=table, title="LR sensitivity with qk-layernorm and z-loss", summary=summary)
     figures(cfg, rows, summary, curves, out)
     return res

@@ -1,9 +1,13 @@
 """Figures people can read: every seed as a thin line with the mean, labels inside the
-axes, log axes for logits, a y-range that shows the peaks (or marks where they were cut).
+axes, legends outside them (never over the data), log axes for learning rates and logits,
+a y-range set by the region of interest (marking where values were cut), and paired
+differences with their intervals where a claim is paired.
 """
 
 from __future__ import annotations
 
+import json
+import math
 import os
 import pathlib
 from collections.abc import Sequence
@@ -12,6 +16,24 @@ from typing import Any
 import numpy as np
 
 from experiments.common import is_primary
+
+
+def stored(out: pathlib.Path | str, config_cls: Any) -> tuple[Any, dict[str, Any]]:
+    """The config (as ``config_cls``) and the payload of a stored ``<out>/results.json``, with
+    every ``"nan"``/``"inf"`` string of its rows back to a float: what a figure needs to be
+    redrawn without a training run."""
+    payload = json.loads((pathlib.Path(out) / "results.json").read_text())
+
+    def num(v):
+        return float(v) if v in ("nan", "inf", "-inf") else v
+
+    res = payload["results"]
+    for key in ("rows", "scan"):
+        if key in res:
+            res[key] = [{k: num(v) for k, v in r.items()} for r in res[key]]
+    c = {k: tuple(v) if isinstance(v, list) else v for k, v in payload["config"].items()}
+    assert all(not isinstance(v, float) or math.isfinite(v) for v in c.values() if v is not None)
+    return config_cls(**c), payload
 
 
 def pyplot():
@@ -50,6 +72,22 @@ def label(ax, text: str) -> None:
     )
 
 
+def legend_outside(ax) -> None:
+    """The legend to the right of the axes, so that it never hides a data point."""
+    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0.0)
+
+
+def roi_top(lrs: Sequence[float], grids: Sequence[np.ndarray], span: float = 10.0) -> float:
+    """The largest value at LRs >= the lowest best LR / ``span`` (grids ``[seeds, lrs]``,
+    lower is better): a far-too-small LR's loss does not stretch a loss-vs-LR y-axis."""
+    lrs = np.asarray(lrs, dtype=float)
+    best = min(float(lrs[int(np.nanargmin(np.nanmean(g, axis=0)))]) for g in grids)
+    keep = lrs >= best / span * (1 - 1e-9)
+    return float(
+        max(np.nanmax(np.where(np.isfinite(g[:, keep]), g[:, keep], np.nan)) for g in grids)
+    )
+
+
 def set_ylim(ax, values: np.ndarray, *, log: bool = False, cap: float | None = None) -> None:
     """A y-range that shows every finite peak; above ``cap`` values are cut and the cut
     is marked with a triangle at the top and a note inside the axes."""
@@ -66,7 +104,7 @@ def set_ylim(ax, values: np.ndarray, *, log: bool = False, cap: float | None = N
         ax.text(
             0.98,
             0.98,
-            f"cut at {cap:g}",
+            f"cut at {cap:.3g}",
             transform=ax.transAxes,
             va="top",
             ha="right",
@@ -107,54 +145,6 @@ def seed_lines(ax, x, ys, *, color, name: str, cap: float | None = None, lw: flo
     ax.plot(x, mean, lw=1.8, color=color, label=f"{name} (mean of {len(ys)})")
 
 
-def groups_vs_x(
-    rows: Sequence[dict[str, Any]],
-    *,
-    x: str,
-    y: str,
-    group: str,
-    path: pathlib.Path,
-    title: str,
-    xlabel: str,
-    ylabel: str,
-    logx: bool = True,
-    logy: bool = False,
-    panel: str | None = None,
-) -> None:
-    """``y`` against ``x``, one colour per ``group``: each seed a thin line, the mean thick,
-    non-finite values as crosses at the top. With ``panel``, one subplot per its value."""
-    plt = pyplot()
-    panels = list(dict.fromkeys(r[panel] for r in rows)) if panel else [None]
-    fig, axes = plt.subplots(1, len(panels), figsize=(5.2 * len(panels), 4.2), squeeze=False)
-    for ax, pv in zip(axes[0], panels, strict=True):
-        sub = [r for r in rows if panel is None or r[panel] == pv]
-        allv = np.array([float(r[y]) for r in sub])
-        fin = allv[np.isfinite(allv)]
-        top = float(fin.max()) if fin.size else 1.0
-        for j, g in enumerate(dict.fromkeys(r[group] for r in sub)):
-            rr = [r for r in sub if r[group] == g]
-            xs = sorted({r[x] for r in rr})
-            seeds = sorted({r["seed"] for r in rr})
-            grid = np.array(
-                [
-                    [next(float(r[y]) for r in rr if r[x] == v and r["seed"] == sd) for v in xs]
-                    for sd in seeds
-                ]
-            )
-            seed_lines(ax, xs, grid, color=f"C{j}", name=str(g))
-            bad = [v for i, v in enumerate(xs) if not np.all(np.isfinite(grid[:, i]))]
-            ax.plot(bad, [top] * len(bad), "x", color=f"C{j}", ms=8)
-        if logx:
-            ax.set_xscale("log")
-        set_ylim(ax, allv, log=logy)
-        ax.set_xlabel(xlabel)
-        ax.set_ylabel(ylabel)
-        label(ax, title if pv is None else f"{title}\n{panel} {pv}")
-        ax.legend(fontsize=7, loc="lower right" if not logy else "upper left")
-        ax.grid(alpha=0.3)
-    save_figure(fig, path)
-
-
 def curves(
     panels: dict[str, dict[str, np.ndarray]],
     *,
@@ -168,7 +158,9 @@ def curves(
 ) -> None:
     """One subplot per ``panels`` key; in each, one colour per arm (``[seeds, T]``)."""
     plt = pyplot()
-    fig, axes = plt.subplots(1, len(panels), figsize=(5.2 * len(panels), 4.0), squeeze=False)
+    fig, axes = plt.subplots(
+        1, len(panels), figsize=(6.8 * len(panels), 4.0), squeeze=False, layout="constrained"
+    )
     for ax, (pname, arms) in zip(axes[0], panels.items(), strict=True):
         allv = []
         for j, (arm, ys) in enumerate(arms.items()):
@@ -182,7 +174,7 @@ def curves(
         ax.set_xlabel(xlabel)
         ax.set_ylabel(ylabel)
         label(ax, pname)
-        ax.legend(fontsize=7, loc="upper right")
+        legend_outside(ax)
         ax.grid(alpha=0.3)
     save_figure(fig, path)
 
@@ -190,20 +182,6 @@ def curves(
 def loss_curves(panels: dict[str, dict[str, np.ndarray]], path: pathlib.Path) -> None:
     """:func:`curves` of training losses against the step, on a log scale."""
     curves(panels, path=path, xlabel="step", ylabel="training loss (nats/byte)", logy=True)
-
-
-def bursts_vs_lr(rows: Sequence[dict[str, Any]], *, group: str, path: pathlib.Path) -> None:
-    """Loss bursts per run against the peak learning rate, one colour per ``group``."""
-    groups_vs_x(
-        rows,
-        x="lr",
-        y="bursts",
-        group=group,
-        path=path,
-        title="bursts (loss > 1.5x running min)",
-        xlabel="peak learning rate",
-        ylabel="bursts per run",
-    )
 
 
 def mean_band(ax, x, ys, *, color, name: str) -> None:
@@ -235,13 +213,17 @@ def metric_vs_lr(
 ) -> None:
     """``y`` against the peak learning rate (log axis), one colour per ``group``: the seed
     mean with its 95 % t-interval band. ``fallback`` names the field that replaces a
-    non-finite ``y`` (a diverged run's init loss); with ``panel``, one subplot per value."""
+    non-finite ``y`` (a diverged run's init loss); with ``panel``, one subplot per value.
+    For a loss (``"loss"`` in ``y``, linear axis) the y-range is the region of interest,
+    :func:`roi_top`; the legend sits outside the axes."""
     plt = pyplot()
     panels = list(dict.fromkeys(r[panel] for r in rows)) if panel else [None]
-    fig, axes = plt.subplots(1, len(panels), figsize=(5.2 * len(panels), 4.2), squeeze=False)
+    fig, axes = plt.subplots(
+        1, len(panels), figsize=(6.8 * len(panels), 4.2), squeeze=False, layout="constrained"
+    )
     for ax, pv in zip(axes[0], panels, strict=True):
         sub = [r for r in rows if panel is None or r[panel] == pv]
-        allv = []
+        allv, grids, lrs_all = [], [], None
         for j, g in enumerate(dict.fromkeys(r[group] for r in sub)):
             rr = [r for r in sub if r[group] == g]
             xs = sorted({r["lr"] for r in rr})
@@ -259,12 +241,19 @@ def metric_vs_lr(
             )
             mean_band(ax, xs, grid, color=f"C{j}", name=str(g))
             allv.append(grid.ravel())
+            if lrs_all is None or xs == lrs_all:
+                lrs_all = xs
+                grids.append(grid)
         ax.set_xscale("log")
-        set_ylim(ax, np.concatenate(allv), log=logy)
+        cap = None
+        if "loss" in y and not logy and len(lrs_all) > 2:
+            cap = roi_top(lrs_all, grids)
+            cap += 0.08 * (cap - float(np.nanmin(np.concatenate(allv))))
+        set_ylim(ax, np.concatenate(allv), log=logy, cap=cap)
         ax.set_xlabel("peak learning rate")
         ax.set_ylabel(ylabel)
         label(ax, title if pv is None else f"{title}\n{panel} {pv}")
-        ax.legend(fontsize=7, loc="lower right" if not logy else "upper left")
+        legend_outside(ax)
         ax.grid(alpha=0.3)
     save_figure(fig, path)
 
@@ -324,4 +313,50 @@ def seed_dots(panels: dict[str, dict[str, Sequence[float]]], *, path: pathlib.Pa
         n = max(len(v) for v in cats.values())
         label(ax, f"{pname}, {n} seeds: dots, mean ± 95% t-CI")
         ax.grid(alpha=0.3, axis="y")
+    save_figure(fig, path)
+
+
+def paired_vs_lr(
+    panels: dict[str, dict[str, list[dict[str, Any]]]],
+    *,
+    best_lr: dict[str, float],
+    path: pathlib.Path,
+    title: str,
+    ylabel: str,
+) -> None:
+    """Paired differences (remedy − base, mean and 95 % interval; filled where the claim is
+    met) against the LR, one subplot per panel; the base's best LR dashed, > 10x it shaded
+    as stress. ``panels[p][arm]`` lists ``{"lr", "effect_mean", "ci95", "claim_met"}``."""
+    plt = pyplot()
+    fig, axes = plt.subplots(
+        1, len(panels), figsize=(6.6 * len(panels), 3.8), squeeze=False, layout="constrained"
+    )
+    for ax, (pname, arms) in zip(axes[0], panels.items(), strict=True):
+        best = best_lr[pname]
+        for k, (arm, pts) in enumerate(arms.items()):
+            pts = sorted(pts, key=lambda e: e["lr"])
+            x = np.array([e["lr"] for e in pts]) * (1.0 + 0.06 * (k - (len(arms) - 1) / 2))
+            m = np.array([e["effect_mean"] for e in pts])
+            lo = m - np.array([e["ci95"][0] for e in pts])
+            hi = np.array([e["ci95"][1] for e in pts]) - m
+            ax.errorbar(x, m, yerr=[lo, hi], color=f"C{k}", ls="-", lw=1, capsize=3, marker="")
+            for xi, mi, e in zip(x, m, pts, strict=True):
+                ax.plot(xi, mi, "o", color=f"C{k}", mfc=f"C{k}" if e["claim_met"] else "w", ms=5)
+            ax.plot([], [], "o-", color=f"C{k}", label=f"{arm} − base")
+        ax.set_xscale("log")
+        xs = [e["lr"] for pts in arms.values() for e in pts]
+        left, right = min(xs + [best]) / 1.6, max(xs + [best]) * 1.6
+        ax.axhline(0, color="0.4", ls=":", lw=1)
+        ax.axvline(best, color="0.3", ls="--", lw=0.8, label=f"base's best LR {best:g}")
+        if right > 10 * best:
+            ax.axvspan(
+                10 * best * (1 + 1e-3), right, color="0.88", lw=0, label="> 10x best: stress"
+            )
+        ax.set_xlim(left, right)
+        ax.set_xlabel("peak learning rate")
+        ax.set_ylabel(ylabel)
+        label(ax, f"{title}\n{pname}" if pname else title)
+        ax.plot([], [], "o", color="0.3", mfc="0.3", label="filled: claim met (Holm)")
+        legend_outside(ax)
+        ax.grid(alpha=0.3)
     save_figure(fig, path)

@@ -36,13 +36,14 @@ References:
 from __future__ import annotations
 
 import dataclasses
+import pathlib
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 import stabljax
-from experiments import cli, common, plots, proxy, stats
+from experiments import claims, cli, common, plots, proxy, stats
 from experiments.measure import Diagnoser
 from experiments.trainer import Trainer
 
@@ -334,8 +335,18 @@ def main(argv=None) -> dict:
         "overflow_location": diagnoses,
         "losses_top_lr_every_5": losses,
     }
-    title = "Mixed precision over an LR grid holding fp32's optimum"
+    title = TITLE
+    summary["best_per_arm"] = claims.best_block("precision", {"summary": summary, "results": res})
     ex.write(res, table=tables(cfg, rows, summary, diagnoses), title=title, summary=summary)
+    figures(cfg, rows, summary, out)
+    return res
+
+
+TITLE = "Mixed precision over an LR grid holding fp32's optimum"
+
+
+def figures(cfg: Config, rows: list[dict], summary: dict, out) -> None:
+    """Loss and non-finite-gradient steps against LR, and the family's forest plot."""
     plots.metric_vs_lr(
         rows,
         y=PRIMARY,
@@ -353,8 +364,13 @@ def main(argv=None) -> dict:
         ylabel="steps per run",
     )
     if summary["remedies"]:
-        plots.effects(summary["remedies"], path=out / "effects.png", title=title)
-    return res
+        plots.effects(summary["remedies"], path=out / "effects.png", title=TITLE)
+
+
+def replot(out) -> None:
+    """Redraws the figures from a stored results.json (no training run)."""
+    cfg, payload = plots.stored(out, Config)
+    figures(cfg, payload["results"]["rows"], payload["summary"], pathlib.Path(out))
 
 
 if __name__ == "__main__":

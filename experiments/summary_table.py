@@ -1,58 +1,51 @@
 """Regenerates the table at the top of experiments/README.md and the experiment claims in
 the top-level README.md from every results.json.
 
-    python -m experiments.summary_table [--check]
+    python -m experiments.summary_table [--check] [--rederive] [--replot]
 
-One row per remedy of every experiment's ``summary``, and one claims line per experiment;
-``--check`` exits 1 when either README block differs from what the results give (a test
-runs it).
+One row per remedy of every experiment's ``summary``, and one claims line per experiment
+(:mod:`experiments.claims`: LR multiples, stress tests, best loss per arm); ``--check``
+exits 1 when either README block differs from what the results give (a test runs it);
+``--rederive`` first writes each summary's ``best_per_arm`` into its results.json from
+the rows stored there (no training run).
 """
 
 from __future__ import annotations
 
 import argparse
-import json
+import importlib
 import pathlib
 import sys
 
+from experiments.claims import (
+    best_block,
+    claims,
+    num,
+    p_text,
+    payloads,
+    rederive,
+    regime,
+    summaries,
+    verdicts,
+    where_text,
+)
 from experiments.common import RESULTS
 
 README = pathlib.Path(__file__).resolve().parent / "README.md"
 TOP_README = pathlib.Path(__file__).resolve().parent.parent / "README.md"
 START, END = "<!-- summary-table:start -->", "<!-- summary-table:end -->"
 CLAIMS = ("<!-- experiment-claims:start -->", "<!-- experiment-claims:end -->")
-ORDER = (
-    "spike_recovery",
+BEST = ("<!-- best-loss:start -->", "<!-- best-loss:end -->")
+#: The experiments whose module has ``replot(out)`` (figures from a stored results.json).
+REPLOT = (
     "adam_eps",
-    "lr_sensitivity",
+    "precision",
     "warmup",
     "clipping",
-    "precision",
     "init_schemes",
+    "qk_clip",
+    "lr_sensitivity",
 )
-
-
-def _num(x) -> str:
-    return f"{float(x):+.3g}" if isinstance(x, int | float) else str(x)
-
-
-def _p(x) -> str:
-    if x is None:
-        return "—"
-    x = float(x)
-    return "nan" if x != x else (f"{x:.3f}" if x >= 0.001 else f"{x:.1e}")
-
-
-def _summaries(results: pathlib.Path) -> list[tuple[str, dict | None]]:
-    names = [n for n in ORDER if (results / n / "results.json").exists()]
-    names += sorted(
-        p.parent.name
-        for p in results.glob("*/results.json")
-        if p.parent.name not in ORDER and p.parent.name != "bench"
-    )
-    return [
-        (n, json.loads((results / n / "results.json").read_text()).get("summary")) for n in names
-    ]
 
 
 def _yes(x) -> str:
@@ -60,17 +53,21 @@ def _yes(x) -> str:
 
 
 def table(results: pathlib.Path = RESULTS) -> str:
-    """The Markdown table of every ``<results>/<name>/results.json`` summary."""
+    """The Markdown table of every ``<results>/<name>/results.json`` summary: a met claim
+    above 10x the base's best LR, or from a failure set by hand, reads "stress test (not
+    counted)", and a comparison that does not name its LR multiple gets it appended."""
     lines = [
         "| experiment | failure made by the model | failure metric | seeds | sizes "
         "| comparison (regime) | primary metric (remedy − base) | mean [95% CI] | CI "
         "| p (Holm) | mechanism moved | claim met |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
-    for name, s in _summaries(results):
+    stored = dict(payloads(results))
+    for name, s in summaries(results):
         if s is None:
             lines.append(f"| {name} | (no summary) | | | | | | | | | | |")
             continue
+        best = best_block(name, stored[name]) or s.get("best_per_arm")
         made = s.get("failure_made_by_model")
         head = (
             f"| {name} | {_yes(made)} "
@@ -81,41 +78,49 @@ def table(results: pathlib.Path = RESULTS) -> str:
             lines.append(head + "| (none) | | | | | | |")
         for rname, r in s["remedies"].items():
             lo, hi = r["ci95"]
+            reg = regime(name, rname, s, best)
+            verdict = "no"
+            if r.get("claim_met"):
+                verdict = "stress test (not counted)" if reg["stress"] else "**yes**"
             lines.append(
-                head
-                + f"| {rname} | {r['metric']} | {_num(r['effect_mean'])} [{_num(lo)}, {_num(hi)}] "
-                f"| {ci} | {_p(r.get('p_holm'))} | {_yes(r['mechanism_moved'])} "
-                f"| {'**yes**' if r.get('claim_met') else 'no'} |"
+                head + f"| {where_text(rname, reg, [])} | {r['metric']} "
+                f"| {num(r['effect_mean'])} [{num(lo)}, {num(hi)}] "
+                f"| {ci} | {p_text(r.get('p_holm'))} | {_yes(r['mechanism_moved'])} | {verdict} |"
             )
     return "\n".join(lines) + "\n"
 
 
-def claims(results: pathlib.Path = RESULTS) -> str:
-    """The top-level README's claims, one line per experiment, from the summaries: the
-    comparisons whose claim is met (effect, interval, Holm p, regime in the name) or the
-    experiment's ``not_shown`` line."""
-    out = []
-    for name, s in _summaries(results):
-        if s is None:
+def best_table(results: pathlib.Path = RESULTS) -> str:
+    """The Markdown table of each arm's best loss at its own best LR against the base's,
+    re-derived from the stored rows (:func:`experiments.claims.best_block`), with the
+    verdict: lowers the best loss, or only widens the stable LR range, or neither."""
+    lines = [
+        "| experiment | arm | best LR | best loss (mean [95% t-CI]) | remedy − base at each "
+        "one's best LR [95% paired t-CI] | p (Holm over these) | verdict |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for name, payload in payloads(results):
+        best = best_block(name, payload)
+        if not best:
             continue
-        met = {k: r for k, r in s["remedies"].items() if r.get("claim_met")}
-        where = f"{', '.join(map(str, s['sizes']))}, {s['seeds']} seeds"
-        made = s.get("failure_made_by_model")
-        kind = {True: "failure made by the model", False: "injected failure (stress test)"}.get(
-            made, "failure source not recorded"
-        )
-        if met:
-            parts = [
-                f"{k}: {_num(r['effect_mean'])} [{_num(r['ci95'][0])}, {_num(r['ci95'][1])}]"
-                + (f", Holm p {_p(r['p_holm'])}" if r.get("p_holm") is not None else "")
-                for k, r in met.items()
-            ]
-            metric = next(iter(met.values()))["metric"]
-            out.append(f"- **{name}** ({where}; {kind}), {metric}: " + "; ".join(parts) + ".")
-        else:
-            why = s.get("not_shown") or s.get("note") or "no comparison met its claim"
-            out.append(f"- **{name}** ({where}; {kind}): not shown. {why}")
-    return "\n".join(out) + "\n"
+        verdict = verdicts(name, payload["summary"], best)
+        for group, arms in best.items():
+            for arm, e in arms.items():
+                b = e["best_loss"]
+                vs = e.get("vs_base")
+                diff = (
+                    "base"
+                    if vs is None
+                    else f"{num(vs['effect_mean'])} "
+                    + (f"[{num(vs['ci95'][0])}, {num(vs['ci95'][1])}]")
+                )
+                key = f"{group} {arm}".strip()
+                lines.append(
+                    f"| {name} | {key} | {e['best_lr']:g} | {b['mean']:.3f} "
+                    f"[{b['ci95'][0]:.3f}, {b['ci95'][1]:.3f}] | {diff} "
+                    f"| {p_text(vs and vs.get('p_holm'))} | {verdict.get(key, '')} |"
+                )
+    return "\n".join(lines) + "\n"
 
 
 def render(readme: str, body: str, markers: tuple[str, str] = (START, END)) -> str:
@@ -133,8 +138,31 @@ def main(argv=None) -> int:
         prog="python -m experiments.summary_table", description=__doc__.splitlines()[0]
     )
     p.add_argument("--check", action="store_true", help="exit 1 if the README table is stale")
+    p.add_argument(
+        "--rederive",
+        action="store_true",
+        help="write each summary's best_per_arm into its results.json, derived from the stored "
+        "per-LR, per-seed rows (no training run)",
+    )
+    p.add_argument(
+        "--replot",
+        action="store_true",
+        help="redraw the LR figures of every experiment with a replot() from its stored "
+        "results.json (no training run)",
+    )
     args = p.parse_args(argv)
-    targets = [(README, table(), (START, END)), (TOP_README, claims(), CLAIMS)]
+    if args.replot:
+        for name in REPLOT:
+            importlib.import_module(f"experiments.{name}").replot(RESULTS / name)
+            print(f"{name}: figures redrawn from results.json")
+    if args.rederive:
+        for _, path in rederive():
+            print(f"{path}: summary.best_per_arm re-derived from its rows")
+    targets = [
+        (README, table(), (START, END)),
+        (README, best_table(), BEST),
+        (TOP_README, claims(), CLAIMS),
+    ]
     stale = []
     for path, body, markers in targets:
         text = path.read_text()

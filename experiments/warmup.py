@@ -36,7 +36,7 @@ import pathlib
 
 import numpy as np
 
-from experiments import cli, common, plots, proxy, stats
+from experiments import claims, cli, common, plots, proxy, stats
 from experiments.trainer import Trainer
 
 #: The primary metric, declared before the run: lower is better.
@@ -242,6 +242,24 @@ def tables(cfg: Config, rows: list[dict], summary: dict, effects: dict) -> str:
 def figures(
     cfg: Config, rows: list[dict], curves: dict, summary: dict, effects: dict, out: pathlib.Path
 ) -> None:
+    lr_figures(cfg, rows, summary, out)
+    shown = sorted({max(effects["compared_lrs"]), max(cfg.lrs)})
+    panels = {
+        f"lr {lr:g} ({lr / effects['best_lr_no_warmup']:.3g}x best)": {
+            arm_name(cfg, w): c[lr] for w, c in curves.items()
+        }
+        for lr in shown
+    }
+    plots.loss_curves(panels, out / "loss.png")
+
+
+def replot(out) -> None:
+    """Redraws the LR figures from a stored results.json (no training run)."""
+    cfg, payload = plots.stored(out, Config)
+    lr_figures(cfg, payload["results"]["rows"], payload["summary"], pathlib.Path(out))
+
+
+def lr_figures(cfg: Config, rows: list[dict], summary: dict, out: pathlib.Path) -> None:
     labelled = [{**r, "arm": arm_name(cfg, r["warmup"])} for r in rows]
     plots.metric_vs_lr(
         labelled,
@@ -258,14 +276,6 @@ def figures(
         title=f"warmup − no warmup, final held-out loss, {len(cfg.seeds)} seeds "
         f"(Holm over {len(summary['remedies'])})",
     )
-    shown = sorted({max(effects["compared_lrs"]), max(cfg.lrs)})
-    panels = {
-        f"lr {lr:g} ({lr / effects['best_lr_no_warmup']:.3g}x best)": {
-            arm_name(cfg, w): c[lr] for w, c in curves.items()
-        }
-        for lr in shown
-    }
-    plots.loss_curves(panels, out / "loss.png")
 
 
 def main(argv=None) -> dict:
@@ -286,6 +296,7 @@ def main(argv=None) -> dict:
         },
     }
     table = tables(cfg, rows, summary, effects)
+    summary["best_per_arm"] = claims.best_block("warmup", {"summary": summary, "results": res})
     ex.write(res, table=table, title="Warmup against high-learning-rate failures", summary=summary)
     figures(cfg, rows, curves, summary, effects, ex.out)
     return res

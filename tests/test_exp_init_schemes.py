@@ -1,6 +1,7 @@
 """``python -m experiments.init_schemes --quick``: what it writes and what it must show,
 and Takase et al.'s embedding options of the proxy model (``Setup.embed``)."""
 
+import json
 import math
 
 import jax
@@ -69,3 +70,20 @@ def test_init_schemes(tmp_path):
     for r in res["rows"]:
         assert r["arm"] in init_schemes.ARMS and r["grad_spikes"] >= 0
     assert set(res["losses"]) == {f"{r['arm']}@{r['lr']:g}@{r['seed']}" for r in res["rows"]}
+
+    # rescan: more scan seeds on the stored run, nothing else re-run; the grid's scores are
+    # the seed means of every scan seed, computed here by hand.
+    out = tmp_path / "init_schemes"
+    before = (out / "results.json").read_text()
+    grid = init_schemes.rescan(out, (5,))
+    after = json.loads((out / "results.json").read_text())
+    scan = after["results"]["scan"]
+    assert sorted({r["seed"] for r in scan}) == [0, 5] and len(scan) == 2 * len(cfg["scan_lrs"])
+    for lr, score in zip(grid["lrs"], grid["score"], strict=True):
+        want = np.mean([r["final_loss"] for r in scan if r["lr"] == lr])
+        assert score == pytest.approx(want)
+    assert after["summary"]["lr_grid"]["arm"].startswith("fixed:0.02, 2 seeds")
+    assert after["summary"]["lr_grid"]["compare_lrs_follow"] == (
+        init_schemes.compare_lrs(init_schemes.Config.quick(), grid) == res["compare_lrs"]
+    )
+    assert after["results"]["rows"] == json.loads(before)["results"]["rows"]

@@ -14,7 +14,13 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 import stabljax
 from stabljax.optim.guards import skip_nonfinite, skip_spikes
-from stabljax.optim.qk_clip import QKHeads, QKLayer, qk_clip, qk_logit_proxy
+from stabljax.optim.qk_clip import (
+    QKHeads,
+    QKLayer,
+    max_logits_over_micro_batches,
+    qk_clip,
+    qk_logit_proxy,
+)
 from stabljax.reference import TransformerConfig, TransformerLM
 from stabljax.step import TrainState, make_train_step, nnx_apply
 
@@ -425,3 +431,234 @@ def test_make_train_step_checks_qk_layers_eagerly():
     bad = {0: QKLayer(QKHeads("wq", 4), QKHeads("wk", 3))}
     with pytest.raises(ValueError, match=r"make_train_step: `qk_layers\[0\]`"):
         make_train_step(lambda p, b: (0.0, None), optax.sgd(0.1), qk_layers=bad)
+
+
+# ----------------------------------------------------------------------------- MLA
+
+# DeepSeek-V3 / Kimi K2 layout: wq_b emits [H, d_nope + d_rope] per head, wkv_b emits
+# [H, d_nope + d_v] per head, and wkv_a's last d_rope columns are the rotary key k^R that
+# every head shares.
+H, DC, DN, DR, DV, T = 4, 6, 3, 2, 3, 5
+MLA_LAYERS = {
+    "mla": QKLayer(
+        q=QKHeads("wq_b", H, head_width=DN, head_stride=DN + DR),
+        k=QKHeads("wkv_b", H, head_width=DN, head_stride=DN + DV),
+        q_rope=QKHeads("wq_b", H, offset=DN, head_width=DR, head_stride=DN + DR),
+    )
+}
+
+
+def mla_params(seed=0, scale=3.0):
+    shapes = {"wq_b": (DC, H * (DN + DR)), "wkv_a": (D, DC + DR), "wkv_b": (DC, H * (DN + DV))}
+    params = {k: scale * rand(seed + i, s) for i, (k, s) in enumerate(sorted(shapes.items()))}
+    params["wq_a"] = rand(seed + 7, (D, DC))
+    return params
+
+
+def np_mla_logits(params, x):
+    """float64 ``[H]`` max logits of an MLA layer (rotation left out: it is linear in the
+    rotary parts and commutes with their scaling)."""
+    p = {k: np.asarray(v, np.float64) for k, v in params.items()}
+    x = np.asarray(x, np.float64)
+    q = (x @ p["wq_a"] @ p["wq_b"]).reshape(T, H, DN + DR)
+    kv_a = x @ p["wkv_a"]
+    k_c = (kv_a[:, :DC] @ p["wkv_b"]).reshape(T, H, DN + DV)[..., :DN]
+    k_r = kv_a[:, DC:]  # [T, DR], shared by every head
+    logits = np.einsum("thd,shd->hts", q[..., :DN], k_c) + np.einsum(
+        "thd,sd->hts", q[..., DN:], k_r
+    )
+    return (logits / np.sqrt(DN + DR)).max(axis=(1, 2))
+
+
+def np_mla_clip(new, max_logits, tau):
+    """Kimi K2, Algorithm 1, head by head in float64 on p + u: q^C, k^C by sqrt(gamma),
+    q^R by gamma, k^R (in wkv_a) untouched."""
+    new = {k: np.array(v, np.float64) for k, v in new.items()}
+    for h, s in enumerate(np.asarray(max_logits, np.float64)):
+        if s > tau:
+            g = tau / s
+            q0, k0 = h * (DN + DR), h * (DN + DV)
+            new["wq_b"][:, q0 : q0 + DN] *= np.sqrt(g)
+            new["wq_b"][:, q0 + DN : q0 + DN + DR] *= g
+            new["wkv_b"][:, k0 : k0 + DN] *= np.sqrt(g)
+    return new
+
+
+@pytest.mark.parametrize("lr", [0.0, 0.05])
+def test_mla_matches_kimi_k2_rule_in_float64(lr):
+    params = mla_params()
+    x = rand(50, (T, D))
+    s = np_mla_logits(params, x)
+    tau = float(np.sort(s)[:2].mean())  # three of the four heads over tau, each its gamma
+    opt = optax.chain(optax.sgd(lr), qk_clip(MLA_LAYERS, tau=tau))
+    grads = jax.tree.map(lambda p: rand(60, p.shape), params)
+    u, state = jax.jit(opt.update)(
+        grads, opt.init(params), params, max_logits={"mla": jnp.asarray(s, jnp.float32)}
+    )
+    new = optax.apply_updates(params, u)
+    plain = {k: np.asarray(params[k], np.float64) - lr * np.asarray(grads[k]) for k in params}
+    want = np_mla_clip(plain, s, tau)
+    for k in want:
+        np.testing.assert_allclose(new[k], want[k], rtol=2e-6, atol=2e-6, err_msg=k)
+    assert int(state[1].qk_clipped_heads) == 3
+    np.testing.assert_array_equal(
+        new["wkv_a"], optax.apply_updates(params, grads_sgd(grads, lr))["wkv_a"]
+    )
+    if lr == 0.0:  # at the weights S was measured at, every clipped head's max logit is tau
+        after = np_mla_logits(new, x)
+        np.testing.assert_allclose(after[s > tau], tau, rtol=1e-5)
+        np.testing.assert_allclose(after[s <= tau], s[s <= tau], rtol=1e-5)
+
+
+def grads_sgd(grads, lr):
+    return jax.tree.map(lambda g: -lr * g, grads)
+
+
+def test_mla_one_alpha_on_every_part_would_miss_tau():
+    """The reason for the per-component rule: scaling q^R by sqrt(gamma) (as the content
+    parts) leaves the clipped heads' logits above tau, the declared q_rope lands on it."""
+    params = mla_params(seed=3)
+    x = rand(51, (T, D))
+    s = np_mla_logits(params, x)
+    tau = float(np.min(s)) * 0.5
+    as_content = {
+        "mla": QKLayer(q=(MLA_LAYERS["mla"].q, MLA_LAYERS["mla"].q_rope), k=MLA_LAYERS["mla"].k)
+    }
+    for layers, hits_tau in ((MLA_LAYERS, True), (as_content, False)):
+        opt = qk_clip(layers, tau=tau)
+        u, _ = jax.jit(opt.update)(
+            optax.tree.zeros_like(params), opt.init(params), params, max_logits={"mla": s}
+        )
+        after = np_mla_logits(optax.apply_updates(params, u), x)
+        assert np.allclose(after, tau, rtol=1e-5) == hits_tau, (after, tau)
+
+
+def test_mla_proxy_counts_the_strided_content_heads():
+    params = mla_params()
+    got = qk_logit_proxy(MLA_LAYERS, params)["mla"]
+    wq = np.asarray(params["wq_b"], np.float64).reshape(DC, H, DN + DR)[..., :DN]
+    wk = np.asarray(params["wkv_b"], np.float64).reshape(DC, H, DN + DV)[..., :DN]
+    nq, nk = np.sqrt((wq**2).sum(axis=(0, 2))), np.sqrt((wk**2).sum(axis=(0, 2)))
+    np.testing.assert_allclose(got, np.max(nq * nk) / np.sqrt(DN), rtol=1e-6)
+
+
+# ----------------------------------------------------------------------------- micro-batches
+
+
+def test_multisteps_bare_clips_with_the_last_micro_batch_only():
+    """The gap max_logits_over_micro_batches closes: a bare MultiSteps drops micro-batch 1's
+    logits."""
+    params, layers = case("mha")
+    opt = optax.MultiSteps(optax.chain(optax.sgd(0.1), qk_clip(layers, tau=TAU)), 2)
+    g = jax.tree.map(lambda x: rand(11, x.shape), params)
+    ml1, ml2 = {0: jnp.array([40.0, 1.0, 1.0, 1.0])}, {0: jnp.array([1.0, 1.0, 1.0, 1.0])}
+    state = opt.init(params)
+    _, state = opt.update(g, state, params, max_logits=ml1)
+    u, _ = opt.update(g, state, params, max_logits=ml2)
+    want = np_qk_clip(params, grads_sgd(g, 0.1), layers, ml2)  # no clip at all
+    for k, v in optax.apply_updates(params, u).items():
+        np.testing.assert_allclose(v, want[k], rtol=2e-6, atol=2e-6)
+
+
+def test_max_logits_over_micro_batches_k2_matches_reference():
+    """k = 2: each emitted update is clipped with the elementwise max of its two
+    micro-batches' logits; the max restarts after each emission; a micro-batch MultiSteps
+    drops (non-finite gradients) does not enter it."""
+    chex.clear_trace_counter()
+    params, layers = case("gqa")
+    inner = optax.chain(optax.sgd(0.1), qk_clip(layers, tau=TAU))
+    ms = optax.MultiSteps(inner, 2, should_skip_update_fn=optax.skip_not_finite)
+    opt = max_logits_over_micro_batches(ms, layers)
+    state = opt.init(params)
+    update = jax.jit(chex.assert_max_traces(opt.update, n=1))
+    gs = [jax.tree.map(lambda x, s=s: rand(s, x.shape), params) for s in range(20, 24)]
+    mls = [
+        np.array([40.0, 3.0, 12.0, 1.0]),
+        np.array([5.0, 30.0, 11.0, 2.0]),
+        np.array([1.0, 1.0, 1.0, 50.0]),
+        np.array([9.0, 1.0, 15.0, 1.0]),
+    ]
+    p = params
+    for cycle in range(2):
+        ga, gb = gs[2 * cycle], gs[2 * cycle + 1]
+        mla, mlb = mls[2 * cycle], mls[2 * cycle + 1]
+        u, state = update(ga, state, p, max_logits={0: jnp.asarray(mla)})
+        chex.assert_trees_all_equal(u, optax.tree.zeros_like(p))
+        if cycle == 1:  # a dropped micro-batch with huge logits in the middle
+            bad = jax.tree.map(lambda x: x.at[0].set(jnp.nan), gb)
+            u, state = update(bad, state, p, max_logits={0: jnp.full(4, 1e6, jnp.float32)})
+            chex.assert_trees_all_equal(u, optax.tree.zeros_like(p))
+        u, state = update(gb, state, p, max_logits={0: jnp.asarray(mlb)})
+        mean = jax.tree.map(lambda a, b: -0.1 * (np.asarray(a, np.float64) + b) / 2, ga, gb)
+        want = np_qk_clip(flat(p), flat(mean), layers, {0: np.maximum(mla, mlb)})
+        got = flat(optax.apply_updates(p, u))
+        for k in want:
+            np.testing.assert_allclose(got[k], want[k], rtol=2e-6, atol=2e-6, err_msg=k)
+        p = optax.apply_updates(p, u)
+    chex.assert_trees_all_equal(state.micro_max_logits, {0: jnp.full(4, -jnp.inf)})
+
+
+def test_max_logits_over_micro_batches_checks_its_arguments():
+    params, layers = case("mha")
+    with pytest.raises(ValueError, match="`multi_steps` must be an optax.MultiSteps"):
+        max_logits_over_micro_batches(optax.sgd(0.1), layers)
+    with pytest.raises(ValueError, match="`layers`"):
+        max_logits_over_micro_batches(optax.MultiSteps(optax.sgd(0.1), 2), {})
+    opt = max_logits_over_micro_batches(optax.MultiSteps(qk_clip(layers, tau=TAU), 2), layers)
+    state = opt.init(params)
+    with pytest.raises(ValueError, match="max_logits="):
+        opt.update(params, state, params)
+    with pytest.raises(ValueError, match="no entry for layer 0"):
+        opt.update(params, state, params, max_logits={1: jnp.ones(4)})
+    with pytest.raises(ValueError, match=r"shape \(4,\)"):
+        opt.update(params, state, params, max_logits={0: jnp.ones(3)})
+
+
+# ----------------------------------------------------------------------------- clear errors
+
+
+def test_a_missing_layer_is_a_clear_error_not_a_keyerror():
+    params, _ = case("fused_bias_2layers")
+    _, layers = case("fused_bias_2layers")
+    opt = qk_clip(layers, tau=TAU)
+    state = opt.init(params)
+    with pytest.raises(ValueError, match="no entry for layer 1"):
+        opt.update(params, state, params, max_logits={0: jnp.ones(2)})
+    with pytest.raises(ValueError, match="no entry for layer 1"):  # [n_layers, n_heads] too
+        opt.update(params, state, params, max_logits=jnp.ones((1, 2)))
+    with pytest.raises(ValueError, match="no entry for layer 1"):  # and a list of layers
+        opt.update(params, state, params, max_logits=[jnp.ones(2)])
+    with pytest.raises(ValueError, match="no entry for layer 0"):
+        opt.update(params, state, params, max_logits=jnp.ones(()))
+    ml = [jnp.array([40.0, 1.0]), jnp.array([1.0, 1.0])]  # a full list is accepted
+    u, _ = jax.jit(opt.update)(optax.tree.zeros_like(params), state, params, max_logits=ml)
+    new = optax.apply_updates(params, u)
+    np.testing.assert_allclose(new["l0"]["k"][:, :HD], params["l0"]["k"][:, :HD] * 0.5, rtol=1e-6)
+
+
+@pytest.mark.parametrize(
+    "layer, match",
+    [
+        (QKLayer(QKHeads("wq", 4), QKHeads("wk", 4), q_rope=QKHeads("wq", 2)), "q_rope"),
+        (QKLayer(QKHeads("wq", 4), QKHeads("wk", 4), q_rope="wq"), r"`layers\[0\].q_rope`"),
+        (QKLayer(QKHeads("wq", 4, head_stride=4), QKHeads("wk", 4)), "head_stride"),
+        (QKLayer(QKHeads("wq", 4, head_width=4, head_stride=3), QKHeads("wk", 4)), "head_stride"),
+    ],
+)
+def test_bad_mla_declarations_raise(layer, match):
+    with pytest.raises(ValueError, match=match):
+        qk_clip({0: layer})
+
+
+def test_tau_inf_message_says_finite():
+    with pytest.raises(ValueError, match=r"`tau` must be finite and > 0; got inf"):
+        qk_clip(GOOD, tau=float("inf"))
+
+
+def test_strided_heads_that_do_not_fit_raise_in_init():
+    params = mla_params()
+    bad = {
+        0: QKLayer(QKHeads("wq_b", H, head_width=DN, head_stride=DN + DR + 1), MLA_LAYERS["mla"].k)
+    }
+    with pytest.raises(ValueError, match="stride 6"):
+        qk_clip(bad).init(params)
