@@ -18,8 +18,12 @@ Slow divergence (:class:`stabljax.control.SlowDivergenceDetector`, defaults):
 Spike detection (:class:`stabljax.control.SpikeDetector`, defaults): false rollbacks per 1000
 steps (episodes of anomalous values whose update was applied) on healthy stationary losses
 with Student-t noise (3 degrees of freedom, scale 5 % of the level), lognormal noise
-(sigma 0.3), Gaussian noise (std 5 %) and the real-loss resample above; a 5x one-step spike
-injected every ``spike_every`` steps of each must be caught at its step.
+(sigma 0.3), Gaussian noise (std 5 %), AR(1) noise (phi 0.99, 0.999; std 0.05) and the
+real-loss resample above; a 5x one-step spike injected every ``spike_every`` steps of each
+must be caught at its step. Power: the detection rate and delay of spikes of +0.3, +0.5, +1,
++2 nats lasting 1, 5, 20, 50 steps added to a falling loss (2 + exp(-t/300), Student-t or
+AR(1) phi 0.99 noise; ``power_trials`` each), and of the model-made Slingshot spikes of the
+committed main job (:mod:`experiments.spike_recovery`'s unguarded runs).
 
 Both are also run with the previous detectors (a Mann-Kendall test on block means taken as
 independent: window 50, block 20, z 3.5, rise 3 %; an EMA mean/std spike test: 6 sigma,
