@@ -201,7 +201,6 @@ def controller(cfg, ckpt, arm: str) -> stabljax.RollbackController:
         keep=keep,
         rollback_margin=cfg.margin,
         max_rollbacks=cfg.max_rollbacks,
-        async_save=False,
         **kw,
     )
 

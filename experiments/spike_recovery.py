@@ -74,7 +74,7 @@ class Config:
     metric_from: int = 500
     seeds: tuple[int, ...] = tuple(range(100, 110))
     arms: tuple[str, ...] = ARMS
-    save_every: int = 25
+    save_every: int = 50
     margin: int = 50
     max_rollbacks: int = 10
     remedy_factor: float = 0.5

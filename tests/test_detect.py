@@ -61,11 +61,11 @@ def test_spike_z_score_and_required_excess_by_hand():
     np.testing.assert_allclose(d.details["median"], median, rtol=1e-12)
     np.testing.assert_allclose(d.details["scale"], scale, rtol=1e-9)
     np.testing.assert_allclose(d.details["z"], (9.0 - median) / scale, rtol=1e-9)
-    # max(8 * 0.0371, 1.5 * 2.01, 1e-3): the relative floor decides.
-    np.testing.assert_allclose(d.details["required"], 1.5 * median, rtol=1e-12)
+    # max(8 * 0.0371, 3 * 2.01, 1e-3): the relative floor decides.
+    np.testing.assert_allclose(d.details["required"], 3.0 * median, rtol=1e-12)
     assert d.action == "rollback"  # not skipped: its update was applied
     # Just under the floor is not a spike.
-    assert det.update(7, {"loss": median + 0.999 * 1.5 * median}) is None
+    assert det.update(7, {"loss": median + 0.999 * 3.0 * median}) is None
 
 
 def test_spike_threshold_boundary():
@@ -204,7 +204,7 @@ def test_spike_detector_validates(kwargs):
 
 
 def test_a_sustained_rise_below_the_single_step_floor_is_caught():
-    # Level 2.0 with noise 0.02: the single-step rule needs 1.5 * 2 = 3 above the median;
+    # Level 2.0 with noise 0.02: the single-step rule needs 3 * 2 = 6 above the median;
     # a +1 rise (0.5 of the level) lasting 5 steps is caught by the median of the last 5
     # once 3 of them are up: need max(6 * s, 0.1 * 2, 1e-3).
     rng = np.random.default_rng(3)

@@ -189,9 +189,10 @@ class SpikeDetector(WatchesMetric):
     Median and MAD are not moved by the rare huge values of a heavy-tailed but healthy
     loss, as a mean and a variance are, and the floors are what keeps such tails quiet: on
     Student-t noise (3 degrees of freedom, scale 5 % of the level), values 1.5 levels above
-    the median come about 4·10⁻⁵ of the steps, whatever a scale estimate says. So a single
-    step must be 2.5× the median by default: no test on one value can tell a +1 nat spike
-    from such a tail. A rise that lasts can: the median of :math:`k` values exceeds a level
+    the median come about 4·10⁻⁵ of the steps and 3 levels above about 5·10⁻⁶, whatever a
+    scale estimate says. So a single step must be 4× the median by default (``rel_floor``
+    3: at most 1 false rollback per 10⁵ steps there): no test on one value can tell a
+    +1 nat spike from such a tail. A rise that lasts can: the median of :math:`k` values exceeds a level
     only when more than half of them do, which heavy-tailed noise almost never gives (about
     :math:`\binom{k}{\lceil k/2\rceil} p^{\lceil k/2\rceil}` for a per-step tail probability
     :math:`p`), so the ``sustained`` tests use lower thresholds and a 10 % floor: by default
@@ -250,7 +251,7 @@ class SpikeDetector(WatchesMetric):
         self,
         threshold: float = 8.0,
         *,
-        rel_floor: float = 1.5,
+        rel_floor: float = 3.0,
         abs_floor: float = 1e-3,
         window: int = 128,
         warmup: int = 20,
