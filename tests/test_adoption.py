@@ -144,3 +144,50 @@ def test_adopted_trainer_on_bad_data_never_stalls_and_ends_near_the_clean_run(
     covered = set().union(*(range(a, b) for a, b in skips))
     assert set(GARBAGE) <= covered, skips
     assert abs(bad_eval - clean_eval) <= 0.01 * clean_eval, (bad_eval, clean_eval)
+
+
+def _contract_controller(tmp_path):
+    from toy import toy_controller
+
+    return toy_controller(tmp_path, save_every=100, rollback_margin=10)
+
+
+def test_a_per_token_loss_is_refused_on_the_call_that_passes_it(tmp_path):
+    from toy import batch_fn_factory, toy_problem
+
+    state0, step = toy_problem()
+    with _contract_controller(tmp_path) as ctl:
+        state, data = ctl.restore_or_init(state0, stabljax.IndexedBatches(batch_fn_factory()))
+        for _ in range(3):
+            state, metrics = step(state, next(data))
+            state, data = ctl.step(state, metrics, data)
+        state, metrics = step(state, next(data))
+        per_token = {**metrics, "loss": jax.numpy.full((16,), metrics["loss"])}
+        with pytest.raises(ValueError, match=r"metrics\['loss'\] \(step 3\) must be a scalar.*16"):
+            ctl.step(state, per_token, data)
+        with pytest.raises(ValueError, match=r"step 3\).*scalar 'loss'.*got \['grad_norm'"):
+            ctl.step(state, {"grad_norm": metrics["grad_norm"]}, data)
+
+
+def test_a_step_counter_that_did_not_advance_is_named_one_call_later(tmp_path):
+    """A guard's skip under MultiSteps leaves gradient_step where it was: a train step that
+    counts with it stalls state.step, and the controller says so at once (not at a save)."""
+    from toy import batch_fn_factory, toy_problem
+
+    state0, step = toy_problem()
+    with _contract_controller(tmp_path) as ctl:
+        state, data = ctl.restore_or_init(state0, stabljax.IndexedBatches(batch_fn_factory()))
+        for _ in range(5):
+            state, metrics = step(state, next(data))
+            state, data = ctl.step(state, metrics, data)
+        state, metrics = step(state, next(data))
+        stalled = state.replace(step=state.step - 1)  # step 5 did not advance state.step
+        state, data = ctl.step(stalled, metrics, data)  # read one call late: no wait
+        state, metrics = step(state, next(data))
+        with pytest.raises(
+            ValueError,
+            match=r"state.step is 5 but the controller counted 6 "
+            r"steps \(train step 5\).*gradient_step",
+        ):
+            ctl.step(state, metrics, data)
+        assert ctl.current_step == 6  # well before the next save (step 100)

@@ -355,23 +355,23 @@ class GrainDatasetIterator(DataIterator):
         grain.experimental.set_next_index(self.source, index)
 
     def get_state(self) -> GrainState:
-        """Grain's own state plus ``stabljax_index`` (see :class:`GrainState`)."""
-        return GrainState(self.source.get_state(), stabljax_index=self._index)
+        """Grain's own state plus ``index``, the position (see :class:`GrainState`)."""
+        return GrainState(self.source.get_state(), index=self._index)
 
     def set_state(self, state: Any) -> None:
         """Restores a :meth:`get_state` (or the raw Grain iterator's state, dict or JSON).
 
-        The position is ``stabljax_index`` when present, else Grain's next index.
+        The position is ``index`` when present, else Grain's next index.
         """
         state = parse_grain_state(state)
-        if "grain" in state and "index" in state:  # {"index", "grain"}: the wrapper's old form
-            state = {**state["grain"], "stabljax_index": state["index"]}
-        index = state.pop("stabljax_index", None)
+        if "grain" in state and "index" in state:  # {"index", "grain"}: the store's form
+            state = {**state["grain"], "index": state["index"]}
+        index = state.pop("index", None)
         self.source.set_state(state)
         if index is None:
             if not self._seekable:
                 raise ValueError(
-                    "this Grain state has no stabljax_index and the iterator cannot seek "
+                    "this Grain state has no index and the iterator cannot seek "
                     "(filter/packing), so its batch position is unknown: restore a state "
                     "that GrainDatasetIterator.get_state() wrote"
                 )
@@ -485,25 +485,25 @@ class GrainLoaderIterator(DataIterator):
         self._advance(index - self._index)
 
     def get_state(self) -> GrainState:
-        """Grain's own state plus ``stabljax_index`` (see :class:`GrainState`)."""
-        return GrainState(json.loads(self.source.get_state()), stabljax_index=self._index)
+        """Grain's own state plus ``index``, the position (see :class:`GrainState`)."""
+        return GrainState(json.loads(self.source.get_state()), index=self._index)
 
     def set_state(self, state: Any) -> None:
         """Restores a :meth:`get_state` (or the raw Grain iterator's state, dict or JSON).
 
-        The position is ``stabljax_index`` when present, else derived from Grain's state
+        The position is ``index`` when present, else derived from Grain's state
         (exact for 1:1 operations and one ``Batch``).
         """
         state = parse_grain_state(state)
-        if "grain" in state and "index" in state:  # {"index", "grain"}: the wrapper's old form
-            state = {**json.loads(state["grain"]), "stabljax_index": state["index"]}
-        index = state.pop("stabljax_index", None)
+        if "grain" in state and "index" in state:  # {"index", "grain"}: the store's form
+            state = {**json.loads(state["grain"]), "index": state["index"]}
+        index = state.pop("index", None)
         self.source.set_state(json.dumps(state, indent=4).encode())
         if index is None:
             index = self._batches_consumed()
             if index is None:
                 raise ValueError(
-                    "this Grain state has no stabljax_index and the loader's operations "
+                    "this Grain state has no index and the loader's operations "
                     f"({', '.join(self._draining) or 'several batches'}) change the number "
                     "of records, so its batch position is unknown: restore a state that "
                     "GrainLoaderIterator.get_state() wrote"

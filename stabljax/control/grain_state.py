@@ -1,7 +1,7 @@
 """Grain's side of the data iterators: its checkpoint format and its loaders' operations.
 
 * :class:`GrainState`: the state the Grain wrappers of :mod:`stabljax.control.data` give,
-  Grain's own plus ``stabljax_index``, in a form Grain's own Orbax handler can write.
+  Grain's own plus ``index`` (the batch position), in a form Grain's Orbax handler writes.
 * :func:`parse_grain_state`: a Grain state from a dict, JSON text or JSON bytes.
 * :func:`loader_operations`: whether a ``grain.DataLoader`` can be moved by state
   arithmetic (1:1 operations and one batch), and if not, which operations stop it.
@@ -21,7 +21,7 @@ except ImportError:  # pragma: no cover - a Grain without them
 
 
 class GrainState(dict):
-    """A Grain iterator's own state (a dict), plus ``stabljax_index``, as the wrappers give it.
+    """A Grain iterator's own state (a dict) plus ``index``, the wrapper's batch position.
 
     Grain's Orbax handler (``grain.checkpoint.CheckpointSave``) writes
     ``json.dumps(get_state())`` for a ``grain.DatasetIterator`` and ``get_state().decode()``
