@@ -229,6 +229,18 @@ def test_a_sustained_rise_below_the_single_step_floor_is_caught():
     assert all(bare.update(100 + k, {"loss": 3.0}) is None for k in range(5))
 
 
+def test_skipped_spikes_do_not_feed_the_sustained_median():
+    # Four huge values a guard skipped (recorded, patience 5), then clean ones: the clean
+    # values must not be judged by a median of the skipped spikes.
+    rng = np.random.default_rng(5)
+    det = SpikeDetector(patience=5)
+    _feed(det, list(2.0 + 0.02 * rng.standard_normal(60)))
+    outs = _feed(det, [50.0] * 4, start=60, skipped=True)
+    assert outs[0].action == "record" and outs[1:] == [None] * 3
+    clean = _feed(det, list(2.0 + 0.02 * rng.standard_normal(10)), start=64)
+    assert clean == [None] * 10
+
+
 def test_sustained_state_round_trips_mid_rise():
     rng = np.random.default_rng(4)
     xs = list(2.0 + 0.02 * rng.standard_normal(60)) + [3.0, 3.0]

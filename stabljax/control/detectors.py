@@ -181,22 +181,24 @@ class SpikeDetector(WatchesMetric):
         x - m > \max(\text{threshold}\cdot s,\ \text{rel\_floor}\cdot|m|,\ \text{abs\_floor}),
 
     one-sided (a falling loss is welcome), or when, for some :math:`(k, c)` in
-    ``sustained``, the median :math:`m_k` of the last :math:`k` values (accepted or not) is
+    ``sustained``, the median :math:`m_k` of the last :math:`k` values (those not anomalous
+    on their own; accepted or not) is
 
     .. math::
         m_k - m > \max(c\cdot s,\ \text{sustained\_floor}\cdot|m|,\ \text{abs\_floor}).
 
-    Median and MAD are not moved by the rare huge values of a heavy-tailed but healthy
-    loss, as a mean and a variance are, and the floors are what keeps such tails quiet: on
+    Median and MAD are not moved by the rare huge values of a heavy-tailed but healthy loss,
+    as a mean and a variance are, and the floors are what keeps such tails quiet: on
     Student-t noise (3 degrees of freedom, scale 5 % of the level), values 1.5 levels above
-    the median come about 4·10⁻⁵ of the steps and 3 levels above about 5·10⁻⁶, whatever a
-    scale estimate says. So a single step must be 4× the median by default (``rel_floor``
-    3: at most 1 false rollback per 10⁵ steps there): no test on one value can tell a
-    +1 nat spike from such a tail. A rise that lasts can: the median of :math:`k` values exceeds a level
-    only when more than half of them do, which heavy-tailed noise almost never gives (about
-    :math:`\binom{k}{\lceil k/2\rceil} p^{\lceil k/2\rceil}` for a per-step tail probability
-    :math:`p`), so the ``sustained`` tests use lower thresholds and a 10 % floor: by default
-    a rise of 6 robust scales lasting 3 of 5 steps, or of 2.5 robust scales lasting 11 of 20.
+    the median come about 4·10⁻⁵ of the steps and 3 levels above about 8× fewer (the tail
+    falls as :math:`x^{-3}`), whatever a scale estimate says. So a single step must be 4×
+    the median by default (``rel_floor`` 3: at most 1 false rollback per 10⁵ steps there):
+    no test on one value can tell a +1 nat spike from such a tail. A rise that lasts can:
+    the median of :math:`k` values exceeds a level only when more than half of them do,
+    which heavy-tailed noise almost never gives (about :math:`\binom{k}{\lceil k/2\rceil}
+    p^{\lceil k/2\rceil}` for a per-step tail probability :math:`p`), so the ``sustained``
+    tests use lower thresholds and a 10 % floor: by default a rise of 6 robust scales
+    lasting 3 of 5 steps, or of 2.5 robust scales lasting 11 of 20.
     ``experiments/bench/detectors.py`` measures the false rollbacks on healthy streams and
     the detection rate and delay of spikes by size and length (figures in BUILD.md).
     The absolute floor keeps a loss at 0 (where :math:`m = s = 0`) from flagging 1e-7.
@@ -322,11 +324,16 @@ class SpikeDetector(WatchesMetric):
         if len(self._values) > self.window:
             del self._values[0]
 
+    def _remember(self, x: float) -> None:
+        if self._keep:
+            self._recent = [*self._recent[-(self._keep - 1) :], x]
+
     def _test(self, x: float, median: float, scale: float) -> tuple[float, float, str] | None:
         """``(excess, required, rule)`` of the first rule ``x`` breaks, else None."""
         need = max(self.threshold * scale, self.rel_floor * abs(median), self.abs_floor)
         if x - median > need:
             return x - median, need, "single"
+        self._remember(x)  # a value anomalous on its own is left out of the sustained tests
         floor = max(self.sustained_floor * abs(median), self.abs_floor)
         for k, c in self.sustained:
             if len(self._recent) < k:
@@ -343,9 +350,8 @@ class SpikeDetector(WatchesMetric):
         skipped = was_skipped(metrics)
         if not math.isfinite(x):
             return None
-        if self._keep:
-            self._recent = [*self._recent[-(self._keep - 1) :], x]
         if len(self._values) < self.warmup:
+            self._remember(x)
             self._accept(x)
             return None
         median, scale = self._stats()
