@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import pathlib
+import re
 import threading
 
 import jax.numpy as jnp
@@ -23,8 +24,11 @@ from stabljax.control.events import (
     EventSchemaError,
     append_line,
     check_schema,
+    load_events,
     read_events,
 )
+from stabljax.control.fsutil import UnsafePathError
+from stabljax.control.jsonio import MalformedJSONError, MalformedLineWarning
 
 ROOT = pathlib.Path(__file__).parent.parent
 
@@ -68,6 +72,47 @@ def test_an_event_keeps_only_json_types_and_round_trips():
 def test_an_unknown_kind_is_refused():
     with pytest.raises(ValueError, match="kind must be one of .*'explosion'"):
         Event("explosion", 1)
+
+
+@pytest.mark.parametrize("step", [12.7, 12.0, True, np.bool_(True), "12", None, float("inf")])
+def test_a_step_that_is_not_an_integer_is_refused(step):
+    with pytest.raises(ValueError, match="step must be an integer"):
+        Event("save", step)
+
+
+@pytest.mark.parametrize("step", [12, np.int64(12), np.int32(12), jnp.int32(12)])
+def test_python_numpy_and_jax_integers_are_steps(step):
+    e = Event("save", step, time=0.0)
+    assert e.step == 12 and type(e.step) is int
+
+
+def test_a_non_finite_time_is_refused():
+    with pytest.raises(ValueError, match="time must be a finite number"):
+        Event("save", 1, time=float("nan"))
+
+
+@pytest.mark.parametrize(
+    "record, problem",
+    [
+        ({"kind": "save", "step": 12.0, "time": 0.0}, "'step' must be an integer, got 12.0"),
+        ({"kind": "save", "step": False, "time": 0.0}, "'step' must be an integer, got false"),
+        ({"kind": "save", "step": 1, "time": "0"}, "'time' must be a finite number"),
+        ({"kind": 7, "step": 1, "time": 0.0}, "'kind' must be a string"),
+        ({"kind": "save", "step": 1, "time": 0.0, "details": [1]}, "'details' must be an object"),
+        ([1, 2], "expected a JSON object, got an array"),
+    ],
+)
+def test_from_dict_reads_only_what_to_dict_writes(record, problem):
+    with pytest.raises(MalformedJSONError, match=re.escape(f"line 3: {problem}")):
+        Event.from_dict(record, what="line 3")
+
+
+def test_from_json_refuses_nan_and_infinity_tokens():
+    line = Event("save", 1, time=0.0).to_json()
+    with pytest.raises(MalformedJSONError, match="NaN is not a JSON number"):
+        Event.from_json(line.replace("0.0", "NaN"))
+    with pytest.raises(MalformedJSONError, match="Infinity is not a JSON number"):
+        Event.from_json(line.replace('"step": 1', '"step": Infinity'))
 
 
 # ------------------------------------------------------------------------------ schema
@@ -132,12 +177,44 @@ def test_read_events_skips_what_it_cannot_read_and_keeps_the_rest(tmp_path):
         "",
         '{"kind": "sa',  # torn
         "[1, 2]",  # not a record
-        json.dumps(newer_kind),
+        json.dumps(newer_kind),  # skipped without a warning: a later minor version's kind
         json.dumps({"schema": "1.0", "kind": "save"}),  # fields missing
+        spike.to_json().replace('"step": 12', '"step": 12.7'),  # not an integer step
         spike.to_json(),
     ]
     path.write_text("\n".join(lines) + "\n")
-    assert read_events(path) == [save, spike]
+    with pytest.warns(MalformedLineWarning) as caught:
+        assert read_events(path) == [save, spike]
+    assert [str(w.message).split(": ", 2)[:2] for w in caught] == [
+        [f"{path}:3", "not valid JSON (Unterminated string starting at"],
+        [f"{path}:4", "expected a JSON object, got an array"],
+        [f"{path}:6", "the field 'step' is missing"],
+        [f"{path}:7", "'step' must be an integer, got 12.7"],
+    ]
+    events, warned = load_events(path)
+    assert events == [save, spike] and warned == [str(w.message) for w in caught]
+
+
+def test_a_line_of_another_major_version_names_the_file_and_line(tmp_path):
+    path = tmp_path / "events.jsonl"
+    EventLog(path).append(Event("save", 1))
+    with path.open("a") as f:
+        f.write(json.dumps({"schema": "2.0", "kind": "save", "step": 2, "time": 0.0}) + "\n")
+    with pytest.raises(EventSchemaError, match=re.escape(f"{path}:2: events schema '2.0'")):
+        read_events(path)
+
+
+def test_append_line_and_the_log_refuse_a_symlink(tmp_path):
+    victim = tmp_path / "victim.txt"
+    victim.write_text("precious\n")
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "events.jsonl").symlink_to(victim)
+    with pytest.raises(UnsafePathError, match="refusing to follow the symlink"):
+        append_line(run / "events.jsonl", '{"a": 1}')
+    with pytest.raises(UnsafePathError):
+        EventLog(run / "events.jsonl").append(Event("save", 1))
+    assert victim.read_text() == "precious\n"
 
 
 def test_threads_appending_at_once_leave_every_line_whole(tmp_path):

@@ -15,7 +15,7 @@ import toy
 
 from stabljax.control import IndexedBatches, JsonlMetricsWriter, RollbackController
 from stabljax.report import load_run, summary, write_report
-from stabljax.report.page import Run
+from stabljax.report.read import Run
 
 ROOT = pathlib.Path(__file__).parent.parent
 CHROMIUM = "/usr/bin/chromium"

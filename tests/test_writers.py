@@ -13,6 +13,7 @@ from toy import toy_controller as _controller
 
 from stabljax.control import IndexedBatches, JsonlMetricsWriter
 from stabljax.control.events import TensorBoardMetricsWriter, host_metrics
+from stabljax.control.fsutil import UnsafePathError
 
 STATE0, STEP = toy_problem()
 
@@ -98,6 +99,16 @@ def test_jsonl_writer_end_to_end_and_a_torn_line_is_healed(tmp_path):
     assert lines[-2] == '{"step": 100, "lo' and json.loads(lines[-1]) == {"step": 101, "loss": 1.0}
     with pytest.raises(ValueError, match="closed"):
         w(102, {"loss": 1.0})
+
+
+def test_jsonl_writer_refuses_a_symlink_and_writes_nothing_through_it(tmp_path):
+    victim = tmp_path / "victim.txt"
+    victim.write_text("precious\n")
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / "metrics.jsonl").symlink_to(victim)
+    with pytest.raises(UnsafePathError, match="refusing to follow the symlink"):
+        JsonlMetricsWriter(tmp_path / "run" / "metrics.jsonl")
+    assert victim.read_text() == "precious\n"
 
 
 def _tfrecords(path):

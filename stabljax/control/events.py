@@ -28,14 +28,18 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import operator
 import os
 import pathlib
 import threading
 import time
+import warnings
 from collections.abc import Iterator, Mapping
 from typing import Any, Literal, get_args
 
 import numpy as np
+
+from stabljax.control import fsutil, jsonio
 
 # ------------------------------------------------------------------------------------------ events
 # Typed event records and a crash-safe ``events.jsonl`` log.
@@ -86,8 +90,10 @@ class EventSchemaError(ValueError):
     """An ``events.jsonl`` line of a schema version this reader does not know."""
 
 
-def check_schema(version: Any) -> None:
+def check_schema(version: Any, what: str = "") -> None:
     """Raises :class:`EventSchemaError` unless ``version`` has :data:`SCHEMA_VERSION`'s major.
+
+    ``what`` (a file and line) starts the message when given.
 
     Example:
       >>> from stabljax.control.events import check_schema
@@ -101,8 +107,8 @@ def check_schema(version: Any) -> None:
     parts = version.split(".") if isinstance(version, str) else []
     if len(parts) != 2 or parts[0] != major or not all(p.isdigit() for p in parts):
         raise EventSchemaError(
-            f"events schema {version!r} is not readable here (this reader knows "
-            f"{major}.x, see docs/events.md)"
+            f"{what + ': ' if what else ''}events schema {version!r} is not readable here "
+            f"(this reader knows {major}.x, see docs/events.md)"
         )
 
 
@@ -157,8 +163,19 @@ class Event:
     def __post_init__(self):
         if self.kind not in EVENT_KINDS:
             raise ValueError(f"kind must be one of {EVENT_KINDS}, got {self.kind!r}")
-        object.__setattr__(self, "step", int(self.step))
-        object.__setattr__(self, "time", float(self.time))
+        # operator.index takes Python, NumPy and JAX integers but no float (12.7 is not
+        # silently step 12); a bool is an int to Python but never a step.
+        try:
+            step = None if isinstance(self.step, bool | np.bool_) else operator.index(self.step)
+        except TypeError:
+            step = None
+        if step is None:
+            raise ValueError(f"step must be an integer, got {self.step!r}")
+        stamp = float(self.time)
+        if not math.isfinite(stamp):
+            raise ValueError(f"time must be a finite number, got {self.time!r}")
+        object.__setattr__(self, "step", int(step))
+        object.__setattr__(self, "time", stamp)
         object.__setattr__(self, "details", _jsonable(dict(self.details)))
 
     def to_dict(self) -> dict[str, Any]:
@@ -176,23 +193,37 @@ class Event:
         return json.dumps(self.to_dict(), allow_nan=False)
 
     @classmethod
-    def from_dict(cls, d: Mapping[str, Any]) -> Event:
-        """Builds an event from :meth:`to_dict`'s output (:class:`EventSchemaError` on an
-        unknown schema version; none means 1.0)."""
-        check_schema(d.get("schema", SCHEMA_VERSION))
+    def from_dict(cls, d: Any, *, what: str = "event") -> Event:
+        """Builds an event from :meth:`to_dict`'s output.
+
+        Raises:
+          EventSchemaError: an unknown schema version (none means 1.0).
+          MalformedJSONError: (a ``ValueError``) ``d`` is not an object with an integer
+            ``step``, a finite ``time``, a string ``kind`` and an object ``details``
+            (:data:`~stabljax.control.jsonio.EVENT_SCHEMA`), named by ``what``.
+          ValueError: an unknown kind.
+        """
+        if isinstance(d, Mapping):
+            d = dict(d)
+            check_schema(d.get("schema", SCHEMA_VERSION), what)
+        jsonio.check_record(d, jsonio.EVENT_SCHEMA, what=what)
         return cls(d["kind"], d["step"], time=d["time"], details=dict(d.get("details", {})))
 
     @classmethod
     def from_json(cls, line: str) -> Event:
-        """Builds an event from :meth:`to_json`'s output."""
-        return cls.from_dict(json.loads(line))
+        """Builds an event from :meth:`to_json`'s output (read strictly:
+        :func:`~stabljax.control.jsonio.loads_strict`)."""
+        return cls.from_dict(jsonio.loads_strict(line, what="event"))
 
 
 def append_line(path: str | os.PathLike, line: str) -> None:
     """Appends ``line`` and a newline to ``path`` as one write, then flushes and fsyncs.
 
     If the file does not end with a newline (a torn line from a crash), a newline is
-    written first so the new record starts on its own line.
+    written first so the new record starts on its own line. The file is opened with
+    ``O_NOFOLLOW`` (:func:`~stabljax.control.fsutil.open_nofollow`): a symlink planted at
+    ``path`` is an :class:`~stabljax.control.fsutil.UnsafePathError`, and nothing outside
+    the run directory is appended to.
 
     Args:
       path: the file (created if missing).
@@ -200,27 +231,56 @@ def append_line(path: str | os.PathLike, line: str) -> None:
     """
     if "\n" in line:
         raise ValueError("line must not contain a newline")
-    data = (line + "\n").encode()
-    fd = os.open(os.fspath(path), os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    data = (line + "\n").encode("utf-8", "backslashreplace")
+    fd = fsutil.open_nofollow(path, os.O_RDWR | os.O_APPEND | os.O_CREAT)
     try:
         size = os.fstat(fd).st_size
-        if size:
-            with open(os.fspath(path), "rb") as f:
-                f.seek(size - 1)
-                if f.read(1) != b"\n":
-                    data = b"\n" + data
+        if size and os.pread(fd, 1, size - 1) != b"\n":
+            data = b"\n" + data
         os.write(fd, data)
         os.fsync(fd)
     finally:
         os.close(fd)
 
 
-def read_events(path: str | os.PathLike) -> list[Event]:
-    """Reads ``events.jsonl``, skipping torn or unparseable lines.
+def load_events(path: str | os.PathLike) -> tuple[list[Event], list[str]]:
+    """Reads ``events.jsonl`` strictly: the events, and a warning per line skipped.
 
-    A whole line of another schema major version raises :class:`EventSchemaError` (its
-    records cannot be trusted to mean what this reader thinks); a kind this version does
-    not know (a newer minor version's) is skipped.
+    Each line goes through :func:`~stabljax.control.jsonio.loads_strict` and
+    :data:`~stabljax.control.jsonio.EVENT_SCHEMA`: a torn line (a crash in a write), a
+    line that is not a JSON object, a ``step`` that is not an integer (``12.7``,
+    ``true``), a non-finite number (``Infinity``) or nesting deeper than
+    :data:`~stabljax.control.jsonio.MAX_DEPTH` is skipped with a warning
+    ``"PATH:LINE: ..."``. A kind this version does not know (a newer minor version's) is
+    skipped without one. A line of another schema major version raises
+    :class:`EventSchemaError` naming the file and line (its records cannot be trusted to
+    mean what this reader thinks).
+
+    Args:
+      path: the file; a missing file gives no events.
+
+    Returns:
+      ``(events, warnings)``, events in file order.
+
+    Raises:
+      EventSchemaError: a line of another major version.
+      UnsafePathError: ``path`` is a symlink, a FIFO or a device.
+    """
+
+    def convert(record: dict[str, Any], where: str) -> Event | None:
+        if isinstance(record.get("kind"), str) and record["kind"] not in EVENT_KINDS:
+            check_schema(record.get("schema", SCHEMA_VERSION), where)
+            return None  # a newer minor version's kind
+        return Event.from_dict(record, what=where)
+
+    return jsonio.read_jsonl(path, {}, convert=convert)
+
+
+def read_events(path: str | os.PathLike) -> list[Event]:
+    """Reads ``events.jsonl``, skipping (with a warning) the lines it cannot trust.
+
+    :func:`load_events`, with each skipped line reported as a
+    :class:`~stabljax.control.jsonio.MalformedLineWarning` naming the file and line.
 
     Args:
       path: the file; a missing file gives an empty list.
@@ -229,7 +289,7 @@ def read_events(path: str | os.PathLike) -> list[Event]:
       The events in file order.
 
     Example:
-      >>> import os, tempfile
+      >>> import os, tempfile, warnings
       >>> from stabljax.control.events import Event, EventLog, read_events
       >>> path = os.path.join(tempfile.mkdtemp(), "events.jsonl")
       >>> log = EventLog(path)
@@ -237,28 +297,18 @@ def read_events(path: str | os.PathLike) -> list[Event]:
       >>> with open(path, "a") as f:
       ...     _ = f.write('{"kind": "sa')  # a torn line, as a crash leaves it
       >>> log.append(Event("rollback", 8))
-      >>> [(e.kind, e.step) for e in read_events(path)]
+      >>> with warnings.catch_warnings(record=True) as caught:
+      ...     warnings.simplefilter("always")
+      ...     events = read_events(path)
+      >>> [(e.kind, e.step) for e in events]
       [('spike', 7), ('rollback', 8)]
+      >>> print(str(caught[0].message).split("/")[-1][:22])
+      events.jsonl:2: not va
     """
-    if not os.path.exists(path):
-        return []
-    out = []
-    with open(path, encoding="utf-8", errors="replace") as f:
-        for line in f:
-            line = line.strip()
-            if not line:
-                continue
-            try:
-                record = json.loads(line)
-            except ValueError:
-                continue  # a torn line
-            if isinstance(record, dict) and "schema" in record:
-                check_schema(record["schema"])
-            try:
-                out.append(Event.from_dict(record))
-            except (ValueError, KeyError, TypeError, AttributeError):
-                continue
-    return out
+    events, warned = load_events(path)
+    for message in warned:
+        warnings.warn(message, jsonio.MalformedLineWarning, stacklevel=2)
+    return events
 
 
 class EventLog:
@@ -353,8 +403,10 @@ class JsonlMetricsWriter:
     Each line is written whole and flushed, so a crash leaves at most the line in
     progress unwritten, never a half line that a later append would glue onto; a file
     that ends without a newline (a crash in a write) gets one first. Non-finite values
-    are written as strings (``"nan"``), as in ``events.jsonl``. Use as a context manager
-    or call :meth:`close`.
+    are written as strings (``"nan"``), as in ``events.jsonl``. The file is opened with
+    ``O_NOFOLLOW``: a symlink at ``path`` is an
+    :class:`~stabljax.control.fsutil.UnsafePathError`. Use as a context manager or call
+    :meth:`close`.
 
     Args:
       path: the file; its parent folders are created.
@@ -372,15 +424,13 @@ class JsonlMetricsWriter:
     def __init__(self, path: str | os.PathLike):
         self.path = pathlib.Path(path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        torn = self.path.exists() and self.path.stat().st_size > 0 and not self._ends_in_newline()
-        self._file = open(self.path, "a", encoding="utf-8")  # noqa: SIM115 - closed in close()
+        # Not through a symlink planted at the file's name (fsutil.open_nofollow).
+        fd = fsutil.open_nofollow(self.path, os.O_RDWR | os.O_APPEND | os.O_CREAT)
+        size = os.fstat(fd).st_size
+        torn = size > 0 and os.pread(fd, 1, size - 1) != b"\n"
+        self._file = open(fd, "a", encoding="utf-8", errors="backslashreplace")  # noqa: SIM115
         if torn:
             self._file.write("\n")
-
-    def _ends_in_newline(self) -> bool:
-        with open(self.path, "rb") as f:
-            f.seek(-1, os.SEEK_END)
-            return f.read(1) == b"\n"
 
     def __call__(self, step: int, metrics: Mapping[str, Any]) -> None:
         if self._file.closed:

@@ -6,6 +6,11 @@
 ranges marked, the grad norm, the skip/overflow counters and the loss scale, one panel
 per rollback (window, triage verdict, attribution, remedy) and a summary table. Inline
 SVG and CSS only: no script, no network, readable offline.
+
+A run directory may be someone else's: it is read as data (:mod:`stabljax.report.read`,
+strict JSON, no symlinked fixed names), every value is escaped on the page
+(:mod:`stabljax.report.page`), and ``report.html`` is written through a fresh temporary
+file and an atomic rename, never through a symlink.
 """
 
 from __future__ import annotations
@@ -13,9 +18,11 @@ from __future__ import annotations
 import os
 import pathlib
 
-from stabljax.report.page import Run, load_run, render, summary
+from stabljax.control import fsutil
+from stabljax.report.page import render, summary
+from stabljax.report.read import Run, load_run
 
-__all__ = ("Run", "load_run", "render", "summary", "write_report")
+__all__ = ("Run", "load_run", "render", "summary", "write_page", "write_report")
 
 
 def write_report(
@@ -27,18 +34,31 @@ def write_report(
 ) -> pathlib.Path:
     """Writes ``out_dir/report.html`` (default ``ckpt_dir``) and returns its path.
 
+    The page is UTF-8; a lone surrogate (``os.fsdecode`` makes one from a non-UTF-8 file
+    name, and it may reach a detector's reason) is written as its ``\\udcXX`` escape. It
+    goes to a new temporary file (``O_EXCL | O_NOFOLLOW``) renamed over ``report.html``:
+    a symlink planted at either name is never written through.
+
     Args:
       ckpt_dir: the RollbackController's directory (``ValueError`` if it has no
         ``events.jsonl``).
       out_dir: where ``report.html`` goes (created).
       metrics: the per-step metrics log; default ``ckpt_dir/metrics.jsonl`` if present.
       title: the page title (default from the directory name).
+
+    Raises:
+      ValueError: the directory is not a run, or a file in it is malformed or a symlink
+        (:func:`stabljax.report.read.load_run`); the message names the file.
     """
     run = load_run(ckpt_dir, metrics)
-    out = pathlib.Path(out_dir if out_dir is not None else ckpt_dir)
+    return write_page(run, out_dir if out_dir is not None else ckpt_dir, title=title)
+
+
+def write_page(run: Run, out_dir: str | os.PathLike, *, title: str | None = None) -> pathlib.Path:
+    """Renders ``run`` (from :func:`load_run`) to ``out_dir/report.html``, as
+    :func:`write_report` does, and returns its path."""
+    out = pathlib.Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     path = out / "report.html"
-    tmp = path.with_suffix(".html.tmp")
-    tmp.write_text(render(run, title=title), encoding="utf-8")
-    os.replace(tmp, path)
+    fsutil.atomic_write_text(path, render(run, title=title), errors="backslashreplace")
     return path

@@ -1,28 +1,26 @@
-"""Reads a run's checkpoint directory and renders the stability report as one HTML page.
+"""Renders the stability report of a run (:class:`~stabljax.report.read.Run`) as one HTML page.
 
-The inputs, all plain JSON (no Orbax, no JAX needed to read them):
-
-* ``events.jsonl`` (docs/events.md): spikes, rollbacks, skips, triage verdicts, saves;
-* the ledger: the ``meta`` item of the newest checkpoint (``<step>/meta/metadata``) or
-  the rollback record ``stabljax-rollback.json``, whichever has seen more rollbacks;
-* ``metrics.jsonl`` if the run wrote one (:class:`stabljax.control.JsonlMetricsWriter`): one row
-  per step, rows of an abandoned branch followed by the replayed steps after a rollback.
+The run directory may come from elsewhere, so every value read from it is data: each
+string is escaped (``html.escape``, attributes quoted), a number is formatted only after a
+type check (anything else is shown as escaped JSON), and a detail of the wrong type or
+shape leaves its cell, mark or chart out instead of failing the page. The page has no
+script, no link and no network reference.
 """
 
 from __future__ import annotations
 
 import collections
-import dataclasses
 import datetime
 import html
 import json
 import math
-import pathlib
 from typing import Any
 
 from stabljax import metrics as keys
-from stabljax.control.events import SCHEMA_VERSION, Event, read_events
+from stabljax.control.events import SCHEMA_VERSION, Event
 from stabljax.report import svg
+from stabljax.report.read import Run
+from stabljax.report.read import load_run as load_run  # its old home, still reachable
 from stabljax.telemetry import spike_score
 
 VERDICT_COLORS = {
@@ -32,128 +30,85 @@ VERDICT_COLORS = {
     "inconclusive": "#777",
 }
 DETECTIONS = ("spike", "divergence", "slow_divergence")
+MAX_WINDOW = 10_000  # the most steps a triage evidence chart draws
+MAX_WARNINGS = 50  # read warnings listed on the page (the rest are counted)
+NONFINITE = ("nan", "inf", "-inf")
+
+# ------------------------------------------------------------------ typed access
+# Event details come from a file: each accessor returns the value only if it has the type
+# the page needs, else None (or an empty container).
 
 
-@dataclasses.dataclass
-class Run:
-    """What the report shows, read from a checkpoint directory."""
-
-    directory: pathlib.Path
-    events: list[Event]
-    ledger: dict[str, Any]
-    rows: list[dict[str, Any]]  # metrics.jsonl, in file order
-
-    @property
-    def kept(self) -> dict[int, dict[str, Any]]:
-        """The last row of each step: the trajectory the final state was trained on."""
-        out: dict[int, dict[str, Any]] = {}
-        for r in self.rows:
-            out[int(r["step"])] = r
-        return dict(sorted(out.items()))
-
-    @property
-    def abandoned(self) -> list[list[dict[str, Any]]]:
-        """Rows that a later row of the same step replaced (rolled-back branches)."""
-        last = {int(r["step"]): i for i, r in enumerate(self.rows)}
-        segments, cur, prev = [], [], None
-        for i, r in enumerate(self.rows):
-            s = int(r["step"])
-            if prev is not None and s <= prev and cur:
-                segments.append(cur)
-                cur = []
-            prev = s
-            if last[s] != i:
-                cur.append(r)
-            elif cur:
-                segments.append(cur)
-                cur = []
-        if cur:
-            segments.append(cur)
-        return [seg for seg in segments if seg]
-
-    def of(self, *kinds: str) -> list[Event]:
-        return [e for e in self.events if e.kind in kinds]
+def _int(v: Any) -> int | None:
+    return v if isinstance(v, int) and not isinstance(v, bool) else None
 
 
-def _number(v: Any) -> float | None:
-    if isinstance(v, bool) or v is None:
-        return float(v) if isinstance(v, bool) else None
-    if isinstance(v, int | float):
-        return float(v)
-    if isinstance(v, str):
-        try:
-            return float(v)  # "nan", "inf" as written by the writers
-        except ValueError:
-            return None
+def _pair(v: Any) -> tuple[int, int] | None:
+    """``[a, b]`` with integers ``a <= b``, else None."""
+    if isinstance(v, list | tuple) and len(v) == 2:
+        a, b = _int(v[0]), _int(v[1])
+        if a is not None and b is not None and a <= b:
+            return a, b
     return None
 
 
-def _read_jsonl(path: pathlib.Path) -> list[dict[str, Any]]:
-    rows = []
-    if not path.exists():
-        return rows
-    for line in path.read_text(encoding="utf-8", errors="replace").splitlines():
-        try:
-            row = json.loads(line)
-        except ValueError:
-            continue  # a torn line
-        if isinstance(row, dict) and "step" in row:
-            rows.append(row)
-    return rows
+def _dict(v: Any) -> dict[str, Any]:
+    return v if isinstance(v, dict) else {}
 
 
-def _read_ledger(directory: pathlib.Path) -> dict[str, Any]:
-    metas = []
-    for d in directory.iterdir() if directory.exists() else ():
-        if d.name.isdigit() and (d / "commit_success.txt").exists():
-            try:
-                metas.append(json.loads((d / "meta" / "metadata").read_text()))
-            except (OSError, ValueError):
-                continue
-    best = max(metas, key=lambda m: int(m.get("step", -1)), default=None)
+def _list(v: Any) -> list[Any]:
+    return v if isinstance(v, list) else []
+
+
+def _text(v: Any) -> str:
+    """A string as itself, anything else as JSON (for display; escape before output)."""
+    if isinstance(v, str):
+        return v
     try:
-        record = json.loads((directory / "stabljax-rollback.json").read_text())
-    except (OSError, ValueError):
-        record = None
-    if record is not None and (best is None or record["rollbacks"] > best.get("rollbacks", 0)):
-        best = {**record, "step": record.get("target_step")}
-    return best or {}
+        return json.dumps(v, ensure_ascii=False)
+    except (TypeError, ValueError):
+        return repr(v)
 
 
-def load_run(directory: str | pathlib.Path, metrics: str | pathlib.Path | None = None) -> Run:
-    """Reads ``directory`` (and ``metrics``, default ``directory/metrics.jsonl``)."""
-    directory = pathlib.Path(directory)
-    if not directory.is_dir():
-        raise ValueError(f"directory {str(directory)!r} is not a directory")
-    if not (directory / "events.jsonl").exists():
-        raise ValueError(f"directory {str(directory)!r} has no events.jsonl (not a run?)")
-    path = pathlib.Path(metrics) if metrics is not None else directory / "metrics.jsonl"
-    return Run(
-        directory,
-        read_events(directory / "events.jsonl"),
-        _read_ledger(directory),
-        _read_jsonl(path),
-    )
+def _number(v: Any) -> float | None:
+    """A metric value as a float: numbers, bools (0/1) and the writers' non-finite strings."""
+    if isinstance(v, bool):
+        return float(v)
+    if isinstance(v, int | float):
+        try:
+            return float(v)
+        except OverflowError:
+            return None
+    if isinstance(v, str) and v in NONFINITE:
+        return float(v)
+    return None
 
 
 # ------------------------------------------------------------------------ figures
 
 
+def skipped_ranges(run: Run) -> list[tuple[int, int]]:
+    """The ledger's skipped ranges, else the skip events' (well-formed ones only)."""
+    ranges = [r for r in map(_pair, _list(run.ledger.get("skipped_ranges"))) if r is not None]
+    if not ranges:
+        ranges = [r for e in run.of("skip") if (r := _pair(e.details.get("range"))) is not None]
+    return ranges
+
+
 def summary(run: Run) -> dict[str, Any]:
     """The summary table's numbers."""
     rollbacks = run.of("rollback")
-    ranges = [tuple(r) for r in run.ledger.get("skipped_ranges", [])]
-    if not ranges:
-        ranges = [tuple(e.details["range"]) for e in run.of("skip")]
-    verdicts = collections.Counter(e.details.get("verdict") for e in run.of("triage"))
+    ranges = skipped_ranges(run)
+    verdicts = collections.Counter(_text(e.details.get("verdict")) for e in run.of("triage"))
     steps = [e.step for e in run.events] + list(run.kept)
-    final = max([int(run.ledger.get("step", 0) or 0), *steps], default=0)
+    final = max([_int(run.ledger.get("step")) or 0, *steps], default=0)
+    counted = _int(run.ledger.get("rollbacks"))
     return {
         "final step": final,
         "steps lost (computed, then rolled back)": steps_lost(run),
         "batches skipped": sum(b - a for a, b in ranges),
         "skipped ranges": ", ".join(f"[{a}, {b})" for a, b in ranges) or "none",
-        "rollbacks": int(run.ledger.get("rollbacks", len(rollbacks))),
+        "rollbacks": len(rollbacks) if counted is None else counted,
         "detections": ", ".join(
             f"{k} {v}" for k, v in collections.Counter(e.kind for e in run.of(*DETECTIONS)).items()
         )
@@ -166,7 +121,7 @@ def summary(run: Run) -> dict[str, Any]:
         "checkpoints saved": len(run.of("save")),
         "data index at the end": run.ledger.get("data_index", "?"),
         "restarts (resumes)": sum(
-            str(e.details.get("reason", "")).startswith("resume") for e in run.of("restore")
+            _text(e.details.get("reason", "")).startswith("resume") for e in run.of("restore")
         ),
         "diverged": "yes" if run.of("diverged") else "no",
         **spike_scores(run),
@@ -196,7 +151,8 @@ def steps_lost(run: Run) -> int:
     step's metrics one step late, so the step after the detection was already computed)."""
     if run.rows:
         return sum(len(seg) for seg in run.abandoned)
-    return sum(e.step + 2 - int(e.details["restored_step"]) for e in run.of("rollback"))
+    restored = [(e.step, _int(e.details.get("restored_step"))) for e in run.of("rollback")]
+    return sum(step + 2 - r for step, r in restored if r is not None)
 
 
 def _series(rows, key: str) -> tuple[list[float], list[float | None]]:
@@ -204,24 +160,24 @@ def _series(rows, key: str) -> tuple[list[float], list[float | None]]:
     return [p[0] for p in pairs], [p[1] for p in pairs]
 
 
-def _loss_points(run: Run) -> list[tuple[int, float]]:
-    """Without metrics.jsonl: the losses the rollback events list and the saves' EMA."""
+def _loss_points(run: Run) -> list[tuple[int, float | None]]:
+    """Without metrics.jsonl: the losses the rollback events list."""
     pts = {}
     for e in run.of("rollback"):
-        for s, loss, _ in e.details.get("losses", []):
-            pts[int(s)] = _number(loss)
+        for item in _list(e.details.get("losses")):
+            if isinstance(item, list) and len(item) == 3 and _int(item[0]) is not None:
+                pts[item[0]] = _number(item[1])
     return sorted(pts.items())
 
 
 def _rollback_spans(run: Run) -> list[svg.Span]:
-    return [
-        svg.Span(
-            int(e.details["restored_step"]),
-            e.step,
-            f"rolled back: steps {e.details['restored_step']}..{e.step} were discarded",
-        )
-        for e in run.of("rollback")
-    ]
+    out = []
+    for e in run.of("rollback"):
+        restored = _int(e.details.get("restored_step"))
+        if restored is not None:
+            label = f"rolled back: steps {restored}..{e.step} were discarded"
+            out.append(svg.Span(restored, e.step, label))
+    return out
 
 
 def _marks(run: Run, loss_at: dict[int, float | None]) -> list[svg.Mark]:
@@ -230,10 +186,11 @@ def _marks(run: Run, loss_at: dict[int, float | None]) -> list[svg.Mark]:
         # A spike's own value is the loss the run saw (the kept row may be a replay).
         y = _number(e.details.get("value")) if e.kind == "spike" else None
         y = loss_at.get(e.step) if e.kind == "spike" and y is None else y
-        out.append(svg.Mark(e.step, y, f"{e.kind} at step {e.step}: {e.details.get('reason', '')}"))
+        reason = _text(e.details.get("reason", ""))
+        out.append(svg.Mark(e.step, y, f"{e.kind} at step {e.step}: {reason}"))
     for e in run.of("rollback"):
-        label = f"rollback at step {e.step} to {e.details['restored_step']}"
-        out.append(svg.Mark(e.step, None, label, "#444"))
+        restored = _text(e.details.get("restored_step"))
+        out.append(svg.Mark(e.step, None, f"rollback at step {e.step} to {restored}", "#444"))
     return out
 
 
@@ -303,31 +260,37 @@ def extra_charts(run: Run) -> list[str]:
 
 
 def _e(v: Any) -> str:
-    return html.escape(str(v))
+    """Escaped text of ``v`` (a string as itself, anything else as JSON), quotes included."""
+    return html.escape(_text(v), quote=True)
 
 
 def _num(v: Any) -> str:
-    f = _number(v)
-    if f is None:
+    """A number formatted; anything else (a string, a list, a bool) shown escaped."""
+    if isinstance(v, bool) or not isinstance(v, int | float):
         return _e(v)
-    if math.isfinite(f) and f == int(f) and abs(f) < 1e12 and not isinstance(v, float):
-        return str(int(f))
-    return f"{f:.6g}"
+    if isinstance(v, int):
+        return str(v)
+    return f"{v:.6g}" if math.isfinite(v) else _e(str(v))
 
 
-def _table(rows: list[tuple[str, Any]]) -> str:
+def _table(rows: list[tuple[str, str]]) -> str:
+    """Rows of (label, cell HTML): each cell is built escaped by its caller."""
     body = "".join(f"<tr><th>{_e(k)}</th><td>{v}</td></tr>" for k, v in rows)
     return f"<table>{body}</table>"
 
 
 def _evidence_chart(t: dict[str, Any]) -> str:
-    ev, (c, onset) = t.get("evidence", {}), t.get("window", [0, 0])
+    ev, window = _dict(t.get("evidence")), _pair(t.get("window"))
+    if window is None or window[1] - window[0] > MAX_WINDOW:
+        return ""
+    c, onset = window
     steps = list(range(c, onset + 1))
+    restored, earlier = _text(t.get("restored_step")), _text(t.get("earlier_step"))
     styles = {
         "run": ("the run (before the rollback)", "#777", 3.0, ""),
-        "restored": (f"replay from checkpoint {t.get('restored_step')}", "#1f5fbf", 1.5, ""),
-        "earlier": (f"replay from checkpoint {t.get('earlier_step')}", "#e8710a", 1.5, "5 3"),
-        "culprit": (f"each batch alone from {t.get('earlier_step')}", "#c5221f", 1.0, "1 3"),
+        "restored": (f"replay from checkpoint {restored}", "#1f5fbf", 1.5, ""),
+        "earlier": (f"replay from checkpoint {earlier}", "#e8710a", 1.5, "5 3"),
+        "culprit": (f"each batch alone from {earlier}", "#c5221f", 1.0, "1 3"),
     }
     series = []
     for name, (label, color, width, dash) in styles.items():
@@ -346,36 +309,90 @@ def _evidence_chart(t: dict[str, Any]) -> str:
     )
 
 
-def _attribution(a: dict[str, Any] | None) -> str:
+def _attribution(a: Any) -> str:
+    a = _dict(a)
     if not a:
         return "<p>No attribution (the onset step was not replayed).</p>"
     parts = []
-    j = a.get("first_jump")
+    j = _dict(a.get("first_jump"))
     if j:
         parts.append(
-            f"<p><b>First layer whose gradient norm jumped:</b> <code>{_e(j['layer'])}</code> "
-            f"({_num(j['grad_norm'])}, {_num(j['ratio'])}× its baseline {_num(j['baseline'])}); "
-            f"largest jump: <code>{_e(j['largest'])}</code>.</p>"
+            f"<p><b>First layer whose gradient norm jumped:</b> <code>{_e(j.get('layer'))}</code>"
+            f" ({_num(j.get('grad_norm'))}, {_num(j.get('ratio'))}× its baseline "
+            f"{_num(j.get('baseline'))}); largest jump: <code>{_e(j.get('largest'))}</code>.</p>"
         )
     else:
         parts.append(
             "<p>No layer's gradient norm jumped 10× over its baseline "
             "(or the step reports no per-layer norms).</p>"
         )
-    hints = a.get("hints", [])
+    hints = [_dict(h) for h in _list(a.get("hints"))]
     if hints:
         items = "".join(
-            f"<li><b>{_e(h['cause'].replace('_', ' '))}</b>: {_e(h['evidence'])}. "
-            f"<i>Remedy:</i> {_e(h['remedy'])}</li>"
+            f"<li><b>{_e(_text(h.get('cause')).replace('_', ' '))}</b>: "
+            f"{_e(h.get('evidence'))}. <i>Remedy:</i> {_e(h.get('remedy'))}</li>"
             for h in hints
         )
         parts.append(f"<p><b>Hints</b> (signals, never certainties):</p><ul>{items}</ul>")
     else:
         parts.append("<p>No attribution rule fired.</p>")
-    if a.get("signals"):
+    if _dict(a.get("signals")):
         sig = ", ".join(f"{_e(k)} = {_num(v)}" for k, v in a["signals"].items())
         parts.append(f"<p>Counters at the onset: {sig}.</p>")
     return "".join(parts)
+
+
+def _skip_cell(skip: Event) -> str:
+    d = skip.details
+    r = _pair(d.get("range"))
+    where = f"[{r[0]}, {r[1]})" if r is not None else _e(d.get("range"))
+    doubled = " (doubled: consecutive rollback)" if d.get("doubled") is True else ""
+    return f"{where} — {_num(d.get('length'))} batches{doubled}"
+
+
+def _window_chart(run: Run, rb: Event, restored: int) -> str:
+    lo, hi = restored - 10, rb.step + 10
+    window = [r for r in run.rows if lo <= int(r["step"]) <= hi]
+    if not window:
+        return ""
+    sub = Run(run.directory, [rb], {}, window)
+    name = "loss on the rolled-back branch"
+    abandoned = [
+        svg.Series(name, *_series(seg, keys.LOSS), "#c5221f", 1.2, "5 3", True)
+        for seg in sub.abandoned
+    ]
+    return svg.chart(
+        f"The window around the onset (steps {max(lo, 0)}..{hi})",
+        [svg.Series("loss (final trajectory)", *_series(sub.kept.values(), keys.LOSS))] + abandoned,
+        height=200,
+        spans=_rollback_spans(sub),
+    )
+
+
+def _triage_panel(t: dict[str, Any]) -> list[str]:
+    verdict = t.get("verdict")
+    color = VERDICT_COLORS.get(verdict, "#777") if isinstance(verdict, str) else "#777"
+    culprits = ", ".join(_text(c) for c in _list(t.get("culprits"))) or "none"
+    host = _dict(t.get("host"))
+    on = (
+        f"process {_text(host.get('process_index'))}, {_text(host.get('platform'))} "
+        f"devices {_text(host.get('device_ids'))}"
+    )
+    return [
+        f'<p><b>Triage verdict:</b> <span class="badge" style="background:{_e(color)}">'
+        f"{_e(verdict)}</span> {_e(t.get('reason'))}</p>"
+        f"<p><b>Suggested remedy:</b> {_e(t.get('remedy'))}</p>"
+        + _table(
+            [
+                ("culprit batches (data indices)", _e(culprits)),
+                ("skip narrowed to the culprits", "yes" if t.get("narrowed") is True else "no"),
+                ("replayed steps", f"{_num(t.get('steps'))} in {_num(t.get('seconds'))} s"),
+                ("replayed on", _e(on)),
+            ]
+        ),
+        _evidence_chart(t),
+        "<h4>Attribution at the onset</h4>" + _attribution(t.get("attribution")),
+    ]
 
 
 def event_panels(run: Run) -> str:
@@ -386,80 +403,26 @@ def event_panels(run: Run) -> str:
         skip = next((e for e in after if e.kind == "skip" and e.step == rb.step), None)
         tri = next((e for e in after[:3] if e.kind == "triage" and e.step == rb.step), None)
         d = rb.details
+        margin = "" if d.get("margin_met", True) is not False else " (closer than rollback_margin)"
         rows = [
             ("detected at step", _num(rb.step)),
-            ("onset (first anomalous step)", _num(d["onset"])),
-            (
-                "restored checkpoint",
-                f"{_num(d['restored_step'])}"
-                + ("" if d.get("margin_met", True) else " (closer than rollback_margin)"),
-            ),
+            ("onset (first anomalous step)", _num(d.get("onset"))),
+            ("restored checkpoint", _num(d.get("restored_step")) + margin),
             ("why", _e(d.get("reason", ""))),
         ]
         if skip is not None:
-            a, b = skip.details["range"]
-            rows.append(
-                (
-                    "data skipped",
-                    f"[{a}, {b}) — {skip.details['length']} batches"
-                    + (" (doubled: consecutive rollback)" if skip.details["doubled"] else ""),
-                )
-            )
+            rows.append(("data skipped", _skip_cell(skip)))
         body = [_table(rows)]
-        lo, hi = int(d["restored_step"]) - 10, rb.step + 10
-        window = [r for r in run.rows if lo <= int(r["step"]) <= hi]
-        if window:
-            sub = Run(run.directory, [rb], {}, window)
-            body.append(
-                svg.chart(
-                    f"The window around the onset (steps {max(lo, 0)}..{hi})",
-                    [svg.Series("loss (final trajectory)", *_series(sub.kept.values(), keys.LOSS))]
-                    + [
-                        svg.Series(
-                            "loss on the rolled-back branch",
-                            *_series(seg, keys.LOSS),
-                            "#c5221f",
-                            1.2,
-                            "5 3",
-                            True,
-                        )
-                        for seg in sub.abandoned
-                    ],
-                    height=200,
-                    spans=_rollback_spans(sub),
-                )
-            )
+        restored = _int(d.get("restored_step"))
+        if restored is not None:
+            body.append(_window_chart(run, rb, restored))
         if tri is None:
             body.append(
                 "<p><b>Triage:</b> off for this run (<code>triage=False</code>); "
                 "the whole window was skipped, as PaLM did.</p>"
             )
         else:
-            t = tri.details
-            color = VERDICT_COLORS.get(t["verdict"], "#777")
-            culprits = ", ".join(map(str, t.get("culprits", []))) or "none"
-            host = t.get("host", {})
-            body.append(
-                f'<p><b>Triage verdict:</b> <span class="badge" style="background:{color}">'
-                f"{_e(t['verdict'])}</span> {_e(t['reason'])}</p>"
-                f"<p><b>Suggested remedy:</b> {_e(t['remedy'])}</p>"
-                + _table(
-                    [
-                        ("culprit batches (data indices)", _e(culprits)),
-                        ("skip narrowed to the culprits", "yes" if t.get("narrowed") else "no"),
-                        ("replayed steps", f"{_num(t.get('steps'))} in {_num(t.get('seconds'))} s"),
-                        (
-                            "replayed on",
-                            _e(
-                                f"process {host.get('process_index')}, "
-                                f"{host.get('platform')} devices {host.get('device_ids')}"
-                            ),
-                        ),
-                    ]
-                )
-            )
-            body.append(_evidence_chart(t))
-            body.append("<h4>Attribution at the onset</h4>" + _attribution(t.get("attribution")))
+            body.extend(_triage_panel(tri.details))
         out.append(
             f'<section class="event"><h3>Rollback {k} at step {rb.step}</h3>'
             + "".join(body)
@@ -471,6 +434,19 @@ def event_panels(run: Run) -> str:
             f"<pre>{_e(e.details.get('message', ''))}</pre></section>"
         )
     return "".join(out) or "<p>No rollback happened in this run.</p>"
+
+
+def read_warnings(run: Run) -> str:
+    """The lines skipped while reading the run, listed (escaped) on the page."""
+    if not run.warnings:
+        return ""
+    items = "".join(f"<li><code>{_e(w)}</code></li>" for w in run.warnings[:MAX_WARNINGS])
+    more = len(run.warnings) - MAX_WARNINGS
+    tail = f"<p>... and {more} more.</p>" if more > 0 else ""
+    return (
+        f"<h2>Lines skipped while reading</h2><p>{len(run.warnings)} input lines were not "
+        f"what stabljax writes and were left out of this page:</p><ul>{items}</ul>{tail}"
+    )
 
 
 CSS = """
@@ -499,21 +475,18 @@ GUIDE = (
 
 def render(run: Run, *, title: str | None = None) -> str:
     """The report as one self-contained HTML string (inline SVG and CSS, no script)."""
-    title = title or f"Stability report: {run.directory.name}"
+    title = title if title is not None else f"Stability report: {run.directory.name}"
     s = summary(run)
-    ranges = [tuple(r) for r in run.ledger.get("skipped_ranges", [])] or [
-        tuple(e.details["range"]) for e in run.of("skip")
+    ranges = skipped_ranges(run)
+    end = _int(run.ledger.get("data_index")) or max([b for _, b in ranges] + [1])
+    culprits = [
+        c for e in run.of("triage") for c in _list(e.details.get("culprits")) if _int(c) is not None
     ]
-    end = run.ledger.get("data_index") or max([b for _, b in ranges] + [1])
-    culprits = [c for e in run.of("triage") for c in e.details.get("culprits", [])]
     charts = [
         loss_chart(run),
         *extra_charts(run),
         svg.strip(
-            "Data: fed (blue) and skipped (orange) batch indices",
-            int(end),
-            ranges,
-            culprits=culprits,
+            "Data: fed (blue) and skipped (orange) batch indices", end, ranges, culprits=culprits
         ),
     ]
     note = (
@@ -529,7 +502,7 @@ def render(run: Run, *, title: str | None = None) -> str:
     return (
         f"<!DOCTYPE html><html lang='en'><head><meta charset='utf-8'><title>{_e(title)}</title>"
         f"<style>{CSS}</style></head><body><h1>{_e(title)}</h1>"
-        f'<p class="muted">{_e(run.directory)} · events schema {SCHEMA_VERSION} · '
+        f'<p class="muted">{_e(str(run.directory))} · events schema {SCHEMA_VERSION} · '
         f"written {made}</p>{GUIDE}<h2>Summary</h2>"
         + _table([(k, _e(v)) for k, v in s.items()])
         + "<h2>Training curves</h2>"
@@ -537,5 +510,6 @@ def render(run: Run, *, title: str | None = None) -> str:
         + "".join(charts)
         + "<h2>Events</h2>"
         + event_panels(run)
+        + read_warnings(run)
         + "</body></html>"
     )

@@ -4,6 +4,9 @@
 shaded step spans (rollback windows), vertical marks (rollbacks) and point marks
 (spikes), with tick labels and a legend. :func:`strip` draws the data-index strip with
 the skipped ranges.
+
+Every text and attribute value is escaped (``html.escape``, quoted); numbers are
+formatted as numbers, so a caller passes only numbers for positions.
 """
 
 from __future__ import annotations
@@ -131,7 +134,7 @@ def chart(
         a, b = px(max(sp.start, x0)), px(min(sp.end, x1))
         out.append(
             f'<rect x="{a:.1f}" y="{TOP}" width="{max(b - a, 1):.1f}" height="{h}" '
-            f'fill="{sp.color}" fill-opacity="0.18"><title>{_esc(sp.label)}</title></rect>'
+            f'fill="{_esc(sp.color)}" fill-opacity="0.18"><title>{_esc(sp.label)}</title></rect>'
         )
     # y ticks (in the transformed space: decades on a log scale)
     if log_y:
@@ -169,19 +172,20 @@ def chart(
                 cur.append(f"{px(x):.1f},{py(tf(y)):.1f}")
         if cur:
             runs.append(cur)
-        dash = f' stroke-dasharray="{s.dash}"' if s.dash else ""
+        dash = f' stroke-dasharray="{_esc(s.dash)}"' if s.dash else ""
+        color = _esc(s.color)
         for r in runs:
             out.append(
-                f'<polyline fill="none" stroke="{s.color}" stroke-width="{s.width}"{dash} '
+                f'<polyline fill="none" stroke="{color}" stroke-width="{float(s.width):g}"{dash} '
                 f'points="{" ".join(r)}"><title>{_esc(s.name)}</title></polyline>'
             )
             if s.dots or len(r) == 1:
                 for p in r:
                     cx, cy = p.split(",")
-                    out.append(f'<circle cx="{cx}" cy="{cy}" r="2" fill="{s.color}"/>')
+                    out.append(f'<circle cx="{cx}" cy="{cy}" r="2" fill="{color}"/>')
         for x in bad:
             out.append(
-                f'<text x="{px(x):.1f}" y="{TOP + 10}" font-size="10" fill="{s.color}" '
+                f'<text x="{px(x):.1f}" y="{TOP + 10}" font-size="10" fill="{color}" '
                 f'text-anchor="middle">✕<title>{_esc(s.name)}: non-finite at step {x:g}'
                 "</title></text>"
             )
@@ -189,21 +193,22 @@ def chart(
         x = px(m.x)
         if m.y is None:
             out.append(
-                f'<line x1="{x:.1f}" x2="{x:.1f}" y1="{TOP}" y2="{TOP + h}" stroke="{m.color}" '
-                f'stroke-dasharray="4 3"><title>{_esc(m.label)}</title></line>'
+                f'<line x1="{x:.1f}" x2="{x:.1f}" y1="{TOP}" y2="{TOP + h}" '
+                f'stroke="{_esc(m.color)}" stroke-dasharray="4 3">'
+                f"<title>{_esc(m.label)}</title></line>"
             )
             continue
         yv = m.y if math.isfinite(m.y) and (m.y > 0 or not log_y) else None
         y = py(tf(yv)) if yv is not None else TOP + 8
         out.append(
-            f'<path d="M{x:.1f},{y - 7:.1f} l-5,-8 h10 z" fill="{m.color}">'
+            f'<path d="M{x:.1f},{y - 7:.1f} l-5,-8 h10 z" fill="{_esc(m.color)}">'
             f"<title>{_esc(m.label)}</title></path>"
         )
     lx = LEFT + 8
     for item, color in [(s.name, s.color) for s in series] + [
         (lab, col) for lab, col in {(sp.label.split(":")[0], sp.color) for sp in spans if sp.label}
     ]:
-        out.append(f'<rect x="{lx}" y="{TOP + 6}" width="10" height="10" fill="{color}"/>')
+        out.append(f'<rect x="{lx}" y="{TOP + 6}" width="10" height="10" fill="{_esc(color)}"/>')
         out.append(f'<text x="{lx + 14}" y="{TOP + 15}" font-size="11">{_esc(item)}</text>')
         lx += 24 + 7 * len(item)
     out.append("</svg>")
@@ -227,12 +232,12 @@ def strip(title: str, end: int, ranges: Sequence[Sequence[int]], *, culprits=())
     for a, b in ranges:
         out.append(
             f'<rect x="{px(a):.1f}" y="24" width="{max(px(b) - px(a), 1.5):.1f}" height="18" '
-            f'fill="#e8710a"><title>skipped [{a}, {b})</title></rect>'
+            f'fill="#e8710a"><title>{_esc(f"skipped [{a}, {b})")}</title></rect>'
         )
     for i in culprits:
         out.append(
             f'<line x1="{px(i + 0.5):.1f}" x2="{px(i + 0.5):.1f}" y1="20" y2="46" '
-            f'stroke="#c5221f" stroke-width="2"><title>culprit batch {i}</title></line>'
+            f'stroke="#c5221f" stroke-width="2"><title>{_esc(f"culprit batch {i}")}</title></line>'
         )
     for t in nice_ticks(0, end, 8):
         out.append(
