@@ -687,3 +687,27 @@ def test_background_save_needs_one_process(tmp_path, monkeypatch):
     monkeypatch.setattr(jax, "process_count", lambda: 2)
     with pytest.raises(ValueError, match="background_save=True needs a single process, got 2"):
         RollbackController(tmp_path, background_save=True)
+
+
+def test_a_users_numbered_folder_is_left_in_place_through_retention_and_rollback(tmp_path):
+    _run(tmp_path, 30, batch_fn_factory(BAD))  # checkpoints 10, 20, 30
+    user = tmp_path / "5"
+    user.mkdir()
+    (user / "notes.txt").write_text("mine")
+    with pytest.warns(RuntimeWarning, match="named like a checkpoint step"):
+        ctl, state, data = _run(tmp_path, 120, batch_fn_factory(BAD))
+    assert ctl.rollbacks >= 1 and int(state.step) == 120
+    assert (user / "notes.txt").read_text() == "mine"
+    assert 5 not in ctl.checkpoint_steps()
+    assert not (tmp_path / "stabljax-corrupt").exists()
+
+
+def test_a_folder_of_someone_elses_files_is_refused_and_nothing_moves(tmp_path):
+    (tmp_path / "2024").mkdir()
+    (tmp_path / "2024" / "photo.jpg").write_bytes(b"\xff\xd8")
+    with pytest.raises(RuntimeError, match=r"\[2024\].*move them out"):
+        with pytest.warns(RuntimeWarning, match="2024 is named like a checkpoint step"):
+            _run(tmp_path, 10, batch_fn_factory())
+    assert (tmp_path / "2024" / "photo.jpg").read_bytes() == b"\xff\xd8"
+    assert not (tmp_path / "stabljax-corrupt").exists()
+    assert sorted(p.name for p in tmp_path.iterdir() if p.is_dir()) == ["2024"]

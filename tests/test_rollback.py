@@ -1,7 +1,8 @@
-"""stabljax.control.rollback: the ledger, the crash record, the give-up message, the
-rollback decision and the data position, against hand-computed expectations.
+"""The ledger, the crash record, the give-up message, the rollback decision
+(stabljax.control.policy, re-exported by stabljax.control.rollback) and the data position
+(DataIterator.restore), against hand-computed expectations.
 
-Resume and roll_back themselves, which need Orbax, run in test_controller.py.
+Resume and the rollback executor, which need Orbax, run in test_controller.py.
 """
 
 from __future__ import annotations

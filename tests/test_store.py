@@ -304,3 +304,36 @@ def test_a_grain_position_is_read_without_touching_the_live_iterator(store, toy)
     assert saved["index"] == 7 == got_meta["data_index"] and "grain" in saved
     live.restore(7, [(8, 10)], state=saved)
     assert live.index == 7 and [next(live) for _ in range(2)] == [7, 10]
+
+
+def test_a_foreign_numbered_folder_is_no_step_and_is_never_deleted(store, toy):
+    for step in (10, 20, 30):
+        _write(store, _at(toy[0], step), step)
+    user = store.directory / "25"  # a user's folder, named like a step
+    user.mkdir()
+    (user / "notes.txt").write_text("mine")
+    store.manager.reload()
+    assert 25 in store.manager.all_steps()  # Orbax alone would count it
+    assert store.steps() == [10, 20, 30] and store.foreign() == [25]
+    store.retain([30])
+    store.delete_newer_than(10)
+    store.delete([25])
+    assert store.steps() == []
+    assert (user / "notes.txt").read_text() == "mine"
+    with pytest.warns(RuntimeWarning, match=r"25 is named like a checkpoint step.*left in place"):
+        store.warn_foreign()
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        store.warn_foreign()  # once per folder
+
+
+def test_a_foreign_folder_past_the_step_makes_a_save_fail_clearly(store, toy):
+    (store.directory / "2024").mkdir()
+    (store.directory / "2024" / "photo.jpg").write_bytes(b"\xff\xd8")
+    store.manager.reload()
+    with pytest.raises(RuntimeError, match=r"\[2024\] are named like steps.*move them out"):
+        _write(store, _at(toy[0], 10), 10)
+    assert (store.directory / "2024" / "photo.jpg").read_bytes() == b"\xff\xd8"
+    assert store.steps() == []

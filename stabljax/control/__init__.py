@@ -16,15 +16,18 @@ an index) and the event log.
   :func:`reset_second_moment`, :func:`by_verdict`, :func:`chain_remedies` — remedies: what a
   rollback changes in the restored state (``RollbackController(remedy=...)``).
 
-The modules, one floor each: :mod:`~stabljax.control.errors` (exceptions, warnings),
-:mod:`~stabljax.control.data` (iterators), :mod:`~stabljax.control.detectors`,
-:mod:`~stabljax.control.policy` (pure decisions), :mod:`~stabljax.control.events` (event
-log, metrics writers), :mod:`~stabljax.control.store` (checkpoints: the one place they
-are written), :mod:`~stabljax.control.monitor`, :mod:`~stabljax.control.rollback`
-(resume, roll back, the data position), :mod:`~stabljax.control.controller`,
-:mod:`~stabljax.control.triage` and :mod:`~stabljax.control.attribution`. Further
-names of these modules (``stabljax.control.checkpoints``, ``.detect``, ``.lifecycle``...)
-are plain ``sys.modules`` aliases, with no warning.
+The modules, each importing only those below it (no circle, ``tests/test_architecture.py``):
+:mod:`~stabljax.control.errors`; :mod:`~stabljax.control.policy` (the pure decisions: the
+ledger, whether and how to roll back, what to keep); :mod:`~stabljax.control.data`
+(iterators; ``DataIterator.restore`` sets the position); :mod:`~stabljax.control.trends`,
+:mod:`~stabljax.control.detectors` and :mod:`~stabljax.control.drift`;
+:mod:`~stabljax.control.events`; :mod:`~stabljax.control.integrity` (the meta item's
+checks); :mod:`~stabljax.control.store` (Orbax: the one place checkpoints are written);
+:mod:`~stabljax.control.saver`; :mod:`~stabljax.control.monitor`;
+:mod:`~stabljax.control.remedies`; :mod:`~stabljax.control.attribution` and
+:mod:`~stabljax.control.triage`; :mod:`~stabljax.control.rollback` (resume);
+:mod:`~stabljax.control.session` (lock, preemption, the run loop); and
+:mod:`~stabljax.control.controller`, which carries a rollback out.
 """
 
 from stabljax.control.controller import RollbackController as RollbackController

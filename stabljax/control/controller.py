@@ -75,6 +75,9 @@ class RollbackController:
     Args:
       directory: checkpoints, ``events.jsonl``, the rollback record and the lock, created
         with its parents. Unwritable: ``OSError``; held by another controller: ``RuntimeError``.
+        An all-digit folder that is no checkpoint (no Orbax commit marker, no meta item) is
+        never read, moved or deleted (a ``RuntimeWarning``); one past the run's step stops
+        the first save with a ``RuntimeError`` naming it.
       save_every: save when ``state.step % save_every == 0``; deferred while an episode is
         open or after a non-finite loss (``save_deferred``).
       keep: checkpoints kept (the newest; the best too for ``rollback_best``). Disk room
@@ -278,6 +281,7 @@ class RollbackController:
         self._store.state_bytes = state_bytes(self._abstract)
         self._pending, _ = None, self._monitor.trim(0)
         self._store.clean_leftovers(RECORD)  # waits for saves in flight first
+        self._store.warn_foreign()  # a user's all-digit folder is no checkpoint: left alone
         steps = self._store.steps()
         if not steps:
             self._step = int(ck.to_host(state.step))

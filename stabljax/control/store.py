@@ -39,6 +39,7 @@ from stabljax.control import policy
 from stabljax.control.data import GrainDatasetIterator, GrainLoaderIterator
 from stabljax.control.errors import CheckpointMismatch as CheckpointMismatch
 from stabljax.control.errors import CheckpointSaveError as CheckpointSaveError
+from stabljax.control.errors import warn
 from stabljax.control.integrity import META_VERSION, fingerprint, meta_digest
 
 # -------------------------------------------------------------------------------------------- host
@@ -122,6 +123,7 @@ def atomic_write_json(path: pathlib.Path, obj: Any) -> None:
 
 
 TRASH = "stabljax-trash"
+COMMIT_MARKER = "_CHECKPOINT_METADATA"  # what Orbax writes into a step once it committed
 CORRUPT = "stabljax-corrupt"
 
 
@@ -300,6 +302,7 @@ class CheckpointStore:
         self.scores: dict[int, float] = {}
         self.resume_only: set[int] = set()
         self._inflight: tuple[int, dict[str, Any]] | None = None
+        self._warned: set[int] = set()  # foreign folders already warned about
         self._sweeper = _Sweeper()
         self._worker: concurrent.futures.ThreadPoolExecutor | None = None
         self._working: concurrent.futures.Future | None = None
@@ -403,9 +406,16 @@ class CheckpointStore:
         except Exception as e:
             raise self._failed(step, e) from e
         if not saved:
+            foreign = [s for s in self.foreign() if s >= step]
+            hint = (
+                f": the folder(s) {foreign} are named like steps but hold no checkpoint of "
+                "stabljax's, and Orbax saves only past its newest step; move them out"
+                if foreign
+                else ""
+            )
             raise RuntimeError(
                 f"Orbax refused to save step {step} in {self.directory} (existing steps "
-                f"{sorted(self.manager.all_steps())})"
+                f"{sorted(self.manager.all_steps())}){hint}"
             )
         self._inflight = (step, {"data_index": meta["data_index"], "smoothed_loss": score})
         if resume_only:
@@ -416,7 +426,33 @@ class CheckpointStore:
     # --------------------------------------------------------------------------- reads
 
     def steps(self) -> list[int]:
-        return sorted(self.manager.all_steps())
+        """The checkpoints of this run: Orbax's steps that Orbax committed (its
+        ``_CHECKPOINT_METADATA`` marker) or that hold stabljax's ``meta`` item, and the
+        save in flight. Another all-digit folder is not a step: it is never read, moved
+        or deleted (:meth:`foreign`)."""
+        inflight = self._inflight[0] if self._inflight is not None else None
+        return sorted(s for s in self.manager.all_steps() if s == inflight or self._ours(s))
+
+    def _ours(self, step: int) -> bool:
+        path = self.directory / str(step)
+        return (path / COMMIT_MARKER).is_file() or (path / "meta").is_dir()
+
+    def foreign(self) -> list[int]:
+        """All-digit folders that are not checkpoints (:meth:`steps`): left in place."""
+        inflight = self._inflight[0] if self._inflight is not None else None
+        steps = self.manager.all_steps()
+        return sorted(s for s in steps if s != inflight and not self._ours(s))
+
+    def warn_foreign(self) -> None:
+        """Warns once per folder that looks like a step but is not a checkpoint."""
+        for s in self.foreign():
+            if s not in self._warned:
+                self._warned.add(s)
+                warn(
+                    f"{self.directory / str(s)} is named like a checkpoint step but holds "
+                    "none of stabljax's (no Orbax commit marker, no meta item): it is left "
+                    "in place, never read, moved or deleted"
+                )
 
     def read_meta(self, step: int) -> dict[str, Any]:
         out = self.manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))
@@ -491,14 +527,14 @@ class CheckpointStore:
     def retain(self, kept: Sequence[int] | None = None) -> None:
         """Deletes every checkpoint not in ``kept`` (default :meth:`kept`); no save in flight."""
         kept = self.kept() if kept is None else kept
-        surplus = [s for s in self.manager.all_steps() if s not in kept]
+        surplus = [s for s in self.steps() if s not in kept]
         if surplus:
             self.delete(surplus)
         self.scores = {s: v for s, v in self.scores.items() if s in kept}
         self.resume_only &= set(kept)
 
     def delete(self, steps: Sequence[int]) -> None:
-        existing = set(self.manager.all_steps())
+        existing = set(self.steps())
         for s in sorted(steps, reverse=True):
             if s in existing:
                 self.manager.delete(s)
@@ -506,7 +542,7 @@ class CheckpointStore:
 
     def delete_newer_than(self, step: int) -> None:
         self.settle()
-        self.delete([s for s in self.manager.all_steps() if s > step])
+        self.delete([s for s in self.steps() if s > step])
         self.scores = {s: v for s, v in self.scores.items() if s <= step}
         self.resume_only = {s for s in self.resume_only if s <= step}
 
