@@ -14,6 +14,7 @@ structure and data config, so a changed model, optimizer or dtype is a
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import hashlib
 import hmac
@@ -241,14 +242,27 @@ def leaf_digests(
     for _, x in flat:  # start every device-to-host copy before reading the first
         if isinstance(x, jax.Array) and x.is_fully_addressable:
             x.copy_to_host_async()
-    out = []
-    for path, x in flat:
+
+    def one(x: Any) -> str:
         h = _hasher(key)
         spec, raw = _host_bytes(x, host)
         h.update(spec.encode())
-        h.update(raw)
-        out.append([jax.tree_util.keystr(path), h.hexdigest()])
-    return out
+        h.update(raw)  # hashlib releases the GIL here, so leaves hash in parallel
+        return h.hexdigest()
+
+    # A leaf sharded across processes is gathered by a collective, which every process
+    # must call in the same order: those are read one by one.
+    local = all(
+        not isinstance(x, jax.Array) or x.is_fully_addressable or x.is_fully_replicated
+        for _, x in flat
+    )
+    workers = min(len(flat), os.cpu_count() or 1, 8) if local else 1
+    if workers <= 1:
+        digests = [one(x) for _, x in flat]
+    else:
+        with concurrent.futures.ThreadPoolExecutor(workers) as pool:
+            digests = list(pool.map(one, [x for _, x in flat]))
+    return [[jax.tree_util.keystr(p), d] for (p, _), d in zip(flat, digests, strict=True)]
 
 
 @dataclasses.dataclass(frozen=True)
