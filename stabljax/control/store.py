@@ -457,7 +457,7 @@ class CheckpointStore:
         return self.seal.check_meta(step, meta, str(self.directory))
 
     def restore(
-        self, step: int, abstract: Any, data: Any = None, *, verify: bool
+        self, step: int, abstract: Any, data: Any = None, *, verify: bool | str
     ) -> tuple[Any, dict[str, Any], dict[str, Any] | None]:
         """Restores (and verifies) checkpoint ``step``: ``(state, meta, data state)``.
 
@@ -485,7 +485,7 @@ class CheckpointStore:
         return state, meta, dict(saved)
 
     def first_restorable(
-        self, order: Sequence[int], abstract: Any, *, verify: bool, data: Any = None
+        self, order: Sequence[int], abstract: Any, *, verify: bool | str, data: Any = None
     ) -> tuple[int, tuple[Any, dict[str, Any], Any]] | None:
         """The first of ``order`` that :meth:`restore` reads everywhere, as
         ``(step, (state, meta, data state))``; the ones that fail before it are set aside
