@@ -253,3 +253,16 @@ def test_a_wrong_or_missing_key_is_a_clear_error_and_nothing_is_set_aside(tmp_pa
     with RollbackController(d, **KW) as ctl:
         got, _ = ctl.restore_or_init(fresh, IndexedBatches(toy.batch_fn_factory(())))
     assert int(got.step) == 20
+
+
+@pytest.mark.parametrize("save", ["async", "background"])
+def test_every_save_path_writes_digests_that_verify(tmp_path, save):
+    d = tmp_path / "run"
+    state, step = toy.make_toy()
+    kw = KW | dict(async_save=True, background_save=save == "background")
+    with RollbackController(d, **kw) as ctl:
+        state, _ = ctl.run(step, state, IndexedBatches(toy.batch_fn_factory(())), 30)
+    for s in (10, 20, 30):
+        got, meta, _ = restore(d, state, s, Seal("digest"))
+        assert int(got.step) == s and dict(meta["digests"]) == dict(leaf_digests(got))
+    chex.assert_trees_all_equal(host(got), host(state))  # 30 is the final state
