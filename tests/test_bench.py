@@ -14,6 +14,7 @@ BENCHES = {
     "train_step": ("per_step", "ratios", "targets", "n_params"),
     "controller": ("steps_per_s", "ratios", "targets", "n_params"),
     "rollback": ("seconds", "checkpoint_bytes", "ratios", "targets", "n_params"),
+    "digest": ("seconds", "checkpoint_bytes", "ratios", "targets", "n_params"),
     "detectors": ("slow_false_alarms", "slow_delay", "spike", "real_curves", "ratios", "targets"),
     "triage": ("ratios", "targets", "samples"),
     "guard_streams": ("per_stream", "ratios", "targets"),
@@ -33,6 +34,7 @@ RATIOS = {
     "train_step": ("wall_guarded/plain", "wall_guarded+layers/plain"),
     "controller": ("steps_per_s_controlled/bare", "steps_per_s_controlled+background/bare"),
     "rollback": ("restore/read_bytes", "skip_s"),
+    "digest": ("save_digest/fingerprint", "restore_digest/fingerprint", "save_hmac/fingerprint"),
     "detectors": (
         "slow_alarms_per_1e5_iid",
         "slow_alarms_per_1e5_phi0.99",

@@ -34,6 +34,7 @@ from stabljax.control import (
     read_events,
 )
 from stabljax.control.fsutil import UnsafePathError, atomic_write_text, refuse_symlinks
+from stabljax.control.integrity import meta_digest
 from stabljax.control.jsonio import (
     MalformedJSONError,
     MalformedLineWarning,
@@ -41,6 +42,7 @@ from stabljax.control.jsonio import (
     read_meta,
     read_rollback_record,
 )
+from stabljax.control.session import DirectoryLock
 from stabljax.report import load_run, write_report
 
 ROOT = pathlib.Path(__file__).parent.parent
@@ -523,6 +525,68 @@ def test_atomic_write_keeps_the_old_file_on_failure_and_refuse_symlinks(tmp_path
     (tmp_path / "stabljax-trash").symlink_to(tmp_path.parent)
     with pytest.raises(UnsafePathError, match="stabljax-trash is a symlink"):
         refuse_symlinks(tmp_path, ["events.jsonl", "stabljax-trash"])
+
+
+@pytest.mark.parametrize(
+    "name",
+    ["stabljax.lock", "stabljax.lock.1", "stabljax-rollback.json", "stabljax-trash",
+     "stabljax-corrupt", "stabljax-trash.0f", f".stabljax-probe-{os.getpid()}-0"],
+)  # fmt: skip
+def test_a_controller_refuses_a_run_whose_special_entry_is_a_symlink(run, name):
+    d, outside = run
+    (d / name).unlink(missing_ok=True)
+    (d / name).symlink_to(outside if "trash" in name or "corrupt" in name else outside / "x")
+    (outside / "x").write_text("precious\n")
+    before, inside = snapshot(outside), snapshot(d)
+    with pytest.raises(UnsafePathError, match=name.replace(".", r"\.")):
+        RollbackController(d, **toy.triage_controller_kwargs())
+    assert snapshot(outside) == before and snapshot(d) == inside  # nothing written anywhere
+
+
+def test_the_lock_is_not_taken_through_a_symlink(tmp_path):
+    victim = tmp_path / "victim.txt"
+    victim.write_text("precious\n")
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / "stabljax.lock").symlink_to(victim)
+    with pytest.raises(UnsafePathError, match="stabljax.lock"):
+        DirectoryLock(tmp_path / "run").acquire()
+    assert victim.read_text() == "precious\n"
+
+
+def restart(d):
+    state, step = toy.triage_toy()
+    with RollbackController(d, **toy.triage_controller_kwargs()) as ctl:
+        got, data = ctl.restore_or_init(state, IndexedBatches(toy.triage_batches(bad=[35])))
+        return ctl, data.index, [e for e in ctl.events if e.kind == "corrupt_checkpoint"]
+
+
+def test_a_malformed_rollback_record_stops_the_resume_naming_the_file(run):
+    d, outside = run
+    (d / "stabljax-rollback.json").write_text(
+        json.dumps({"rollbacks": 1, "target_step": 30, "data_index": 37.5, "skipped_ranges": []})
+    )
+    steps = sorted(p.name for p in d.iterdir() if p.name.isdigit())
+    with pytest.raises(MalformedJSONError, match="stabljax-rollback.json: 'data_index' must be"):
+        restart(d)
+    assert sorted(p.name for p in d.iterdir() if p.name.isdigit()) == steps
+    assert not (d / "stabljax-corrupt").exists()
+
+
+@pytest.mark.parametrize("recompute", [False, True], ids=["edited", "edited_digest_recomputed"])
+def test_an_edited_meta_is_a_corrupt_checkpoint_named_and_set_aside(run, recompute):
+    d, _ = run
+    newest = max(int(p.name) for p in d.iterdir() if p.name.isdigit())
+    path = d / str(newest) / "meta" / "metadata"
+    meta = json.loads(path.read_text())
+    meta["data_index"] = 1e9 if recompute else 10**9  # a float fails the strict reader
+    if recompute:  # the plain digest is anyone's to recompute; the type check still holds
+        meta["digest"] = meta_digest(meta)
+    path.write_text(json.dumps(meta))
+    ctl, index, corrupt = restart(d)
+    problem = "'data_index' must be an integer" if recompute else "meta digest mismatch"
+    assert [e.step for e in corrupt] == [newest] and problem in corrupt[0].details["reason"]
+    assert ctl.current_step == newest - 10 and index < 10**9
+    assert [p.name.split("-")[0] for p in (d / "stabljax-corrupt").iterdir()] == [str(newest)]
 
 
 # ----------------------------------------------------------------------------- packaging

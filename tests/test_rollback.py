@@ -14,6 +14,7 @@ import pytest
 
 from stabljax.control.data import IndexedBatches, PlainIterator
 from stabljax.control.detectors import Detection
+from stabljax.control.jsonio import MalformedJSONError
 from stabljax.control.rollback import (
     ADVICE,
     HISTORY,
@@ -91,21 +92,27 @@ def test_record_holds_what_a_restart_needs():
     }
 
 
-@pytest.mark.parametrize(
-    "text",
-    [
-        None,  # no file
-        '{"rollbacks": 1, "target_st',  # torn
-        '{"rollbacks": 1, "data_index": 3}',  # a key missing
-        '{"rollbacks": "one", "target_step": 1, "data_index": 3}',  # not a number
-        "[1, 2]",
-    ],
-    ids=["missing", "torn", "no_target", "not_int", "not_a_dict"],
-)
-def test_an_unreadable_rollback_record_reads_as_none(tmp_path, text):
-    if text is not None:
-        (tmp_path / RECORD).write_text(text)
+def test_a_missing_rollback_record_reads_as_none(tmp_path):
     assert read_record(tmp_path) is None
+
+
+@pytest.mark.parametrize(
+    "text, problem",
+    [
+        ('{"rollbacks": 1, "target_st', "not valid JSON"),  # torn
+        ('{"rollbacks": 1, "data_index": 3}', "'target_step' is missing"),
+        ('{"rollbacks": "one", "target_step": 1, "data_index": 3}', "'rollbacks' must be"),
+        ("[1, 2]", "expected a JSON object"),
+    ],
+    ids=["torn", "no_target", "not_int", "not_a_dict"],
+)
+def test_a_malformed_rollback_record_is_an_error_naming_the_file(tmp_path, text, problem):
+    # A record is renamed into place whole, so a bad one was edited: never adopted, and
+    # never silently dropped either (issue 41).
+    (tmp_path / RECORD).write_text(text)
+    with pytest.raises(MalformedJSONError, match=problem) as info:
+        read_record(tmp_path)
+    assert str(info.value).startswith(str(tmp_path / RECORD))
 
 
 def test_a_rollback_record_reads_back(tmp_path):

@@ -26,6 +26,7 @@ from stabljax.control.integrity import (
     leaf_specs,
     meta_digest,
 )
+from stabljax.control.policy import Ledger
 from stabljax.control.store import (
     CORRUPT,
     CheckpointStore,
@@ -176,7 +177,7 @@ def _at(state, step):
 
 def _write(store, state, step, *, print_of=None, kept=None):
     """Writes ``state`` as checkpoint ``step``; its fingerprint is ``print_of``'s."""
-    meta = {"version": META_VERSION, "step": step, "data_index": step}
+    meta = {"version": META_VERSION, "step": step, "data_index": step} | Ledger().to_meta()
     data = IndexedBatches(lambda i: i, start=step)
     store.write(
         step,
@@ -292,7 +293,7 @@ def test_a_grain_position_is_read_without_touching_the_live_iterator(store, toy)
     for _ in range(7):
         next(data)
     state = _at(toy[0], 10)
-    meta = {"version": META_VERSION, "step": 10, "data_index": data.index}
+    meta = {"version": META_VERSION, "step": 10, "data_index": data.index} | Ledger().to_meta()
     args = (fingerprint(state), meta, data_item(data, restore=False), 10.0)
     store.write(10, state, *args, wait=True, kept=store.steps, resume_only=False)
     live = make()

@@ -35,7 +35,7 @@ from stabljax.control.drift import default_detectors
 from stabljax.control.errors import DataExhausted, Preempted
 from stabljax.control.errors import warn as warn
 from stabljax.control.events import Event, EventLog
-from stabljax.control.integrity import jsonable, state_bytes
+from stabljax.control.integrity import check_verify, jsonable, state_bytes
 from stabljax.control.monitor import Monitor
 from stabljax.control.policy import Ledger
 from stabljax.control.remedies import RollbackInfo, check_remedy, describe, remedy_event
@@ -93,7 +93,8 @@ class RollbackController:
       async_save: Orbax writes in the background (the host copy is made in :meth:`step`).
       background_save: one process only: a worker thread copies and writes an on-device
         copy of the state; its error is raised by the next call that waits for it.
-      verify: fingerprint the state and digest the meta item; check both on restore.
+      verify: ``True``: fingerprint the state (accidents); ``"digest"``: a SHA-256 per leaf
+        too (any edit); an HMAC with ``STABLJAX_CHECKPOINT_KEY`` set. Checked on restore.
       preemption_signals: "save at the next step boundary and stop" (SIGTERM; add SIGINT
         for Ctrl-C); JAX's sync point decides on several processes.
       data_config: JSON-able batch size, sequence length, corpus...; default the data's
@@ -161,7 +162,7 @@ class RollbackController:
         max_rollbacks: int | None = 10,
         async_save: bool = True,
         background_save: bool = False,
-        verify: bool = True,
+        verify: bool | str = True,
         preemption_signals: Sequence[int] = (signal.SIGTERM,),
         data_config: Any = None,
         triage: bool | tr.TriageConfig = False,
@@ -177,7 +178,7 @@ class RollbackController:
         self.save_every, self.keep = int(save_every), int(keep)
         self.rollback_margin, self.extra_skip = int(rollback_margin), int(extra_skip)
         self.max_rollbacks = None if max_rollbacks is None else int(max_rollbacks)
-        self.verify = bool(verify)
+        self.verify = check_verify(verify)
         self.async_save, self.background_save = bool(async_save), bool(background_save)
         self.data_config = jsonable(data_config)
         self.triage, self._train_step = tr.as_config(triage), None

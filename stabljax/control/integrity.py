@@ -1,17 +1,27 @@
-"""A checkpoint's meta item: the state's fingerprint, the meta digest, the resume checks.
+"""A checkpoint's meta item: the state's fingerprint and digests, the meta digest, the
+resume checks.
 
-The fingerprint is two wrap-around uint32 sums per leaf, computed on device; the meta
-item carries its own SHA-256 digest; :func:`check_compatible` compares leaves, tree
+The fingerprint is two wrap-around uint32 sums per leaf, computed on device: it catches
+accidents (a flipped bit, a truncated or swapped file), not values chosen to keep its sums.
+``verify="digest"`` adds a SHA-256 of each leaf's host bytes (:func:`leaf_digests`), which
+catches any change of values. The meta item carries a SHA-256 digest of itself; anyone who
+can write the checkpoint can recompute the plain digests, so with a key in
+``STABLJAX_CHECKPOINT_KEY`` every digest is an HMAC-SHA256 instead (:class:`Seal`), and only
+someone holding the key can forge one. :func:`check_compatible` compares leaves, tree
 structure and data config, so a changed model, optimizer or dtype is a
 :class:`~stabljax.control.errors.CheckpointMismatch`, never corruption.
 """
 
 from __future__ import annotations
 
+import concurrent.futures
+import dataclasses
 import hashlib
+import hmac
 import json
+import os
 import pathlib
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import jax
@@ -56,10 +66,17 @@ def jsonable(value: Any) -> Any:
     return None if value is None else json.loads(json.dumps(value))
 
 
-def meta_digest(meta: Mapping[str, Any]) -> str:
-    """SHA-256 of the meta item's canonical JSON, its own ``digest`` field left out."""
+def _hasher(key: bytes | None) -> Any:
+    return hashlib.sha256() if key is None else hmac.new(key, digestmod=hashlib.sha256)
+
+
+def meta_digest(meta: Mapping[str, Any], key: bytes | None = None) -> str:
+    """SHA-256 (HMAC-SHA256 with ``key``) of the meta item's canonical JSON, its own
+    ``digest`` field left out."""
     body = {k: v for k, v in meta.items() if k != "digest"}
-    return hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()
+    h = _hasher(key)
+    h.update(json.dumps(body, sort_keys=True).encode())
+    return h.hexdigest()
 
 
 def leaf_specs(abstract: Any) -> list[list[Any]]:
@@ -175,3 +192,175 @@ def check_compatible(
             "config change, not corruption):\n  " + "\n  ".join(lines) + "\nResume with the "
             "original model, optimizer, dtypes and data, or use a new directory."
         )
+
+
+# ---------------------------------------------------------------------------------- digests
+
+ENV_KEY = "STABLJAX_CHECKPOINT_KEY"
+"""The environment variable whose value keys the digests (HMAC-SHA256), when set."""
+
+
+class CheckpointKeyError(CheckpointMismatch):
+    """A checkpoint sealed with another key, or with none where a key is set (or the
+    reverse): a setting to fix, not corruption, so nothing is set aside."""
+
+
+def check_verify(verify: Any) -> bool | str:
+    """``verify`` if it is ``True`` (fingerprint), ``False`` or ``"digest"``; else ValueError."""
+    if verify is True or verify is False or verify == "digest":
+        return verify
+    raise ValueError(f"verify must be True (fingerprint), False or 'digest', got {verify!r}")
+
+
+def _host_bytes(x: Any, host: Callable[[Any], np.ndarray]) -> tuple[str, np.ndarray]:
+    if isinstance(x, jax.Array) and jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
+        x = jax.random.key_data(x)
+    a = np.ascontiguousarray(host(x))
+    return f"{a.dtype.str}{list(a.shape)}", a.reshape(-1).view(np.uint8)
+
+
+def leaf_digests(
+    tree: Any, key: bytes | None = None, host: Callable[[Any], np.ndarray] = np.asarray
+) -> list[list[str]]:
+    """``[path, hex digest]`` of each leaf of ``tree``: SHA-256 of its dtype, shape and host
+    bytes (HMAC-SHA256 with ``key``).
+
+    Args:
+      tree: the state (any pytree of arrays; ``None`` leaves are skipped).
+      key: the HMAC key, or ``None`` for a plain SHA-256.
+      host: reads one leaf to a numpy array (the store passes its multi-host reader).
+
+    Example:
+      >>> import hashlib, numpy as np
+      >>> from stabljax.control.integrity import leaf_digests
+      >>> w = np.arange(3, dtype=np.float32)
+      >>> [(path, digest)] = leaf_digests({"w": w})
+      >>> path, digest == hashlib.sha256(b"<f4[3]" + w.tobytes()).hexdigest()
+      ("['w']", True)
+    """
+    flat, _ = jax.tree_util.tree_flatten_with_path(tree)
+    for _, x in flat:  # start every device-to-host copy before reading the first
+        if isinstance(x, jax.Array) and x.is_fully_addressable:
+            x.copy_to_host_async()
+
+    def one(x: Any) -> str:
+        h = _hasher(key)
+        spec, raw = _host_bytes(x, host)
+        h.update(spec.encode())
+        h.update(raw)  # hashlib releases the GIL here, so leaves hash in parallel
+        return h.hexdigest()
+
+    # A leaf sharded across processes is gathered by a collective, which every process
+    # must call in the same order: those are read one by one.
+    local = all(
+        not isinstance(x, jax.Array) or x.is_fully_addressable or x.is_fully_replicated
+        for _, x in flat
+    )
+    workers = min(len(flat), os.cpu_count() or 1, 8) if local else 1
+    if workers <= 1:
+        digests = [one(x) for _, x in flat]
+    else:
+        with concurrent.futures.ThreadPoolExecutor(workers) as pool:
+            digests = list(pool.map(one, [x for _, x in flat]))
+    return [[jax.tree_util.keystr(p), d] for (p, _), d in zip(flat, digests, strict=True)]
+
+
+@dataclasses.dataclass(frozen=True)
+class Seal:
+    """What a checkpoint's meta item carries to prove it and the state unchanged.
+
+    ``mode`` is the controller's ``verify``: ``True`` stores the fingerprint (accidents),
+    ``"digest"`` also a digest per leaf (any change of values), ``False`` neither. The meta
+    item always gets a digest of itself when ``mode`` or ``key`` is set. With ``key``
+    (:meth:`from_env`) every digest is an HMAC-SHA256 and the meta names the key by a
+    short id (an HMAC of a constant, which says nothing of the key itself).
+    """
+
+    mode: bool | str = True
+    key: bytes | None = dataclasses.field(default=None, repr=False)
+
+    @classmethod
+    def from_env(cls, verify: Any, environ: Mapping[str, str] = os.environ) -> Seal:
+        """A seal for ``verify``, keyed by ``STABLJAX_CHECKPOINT_KEY`` if it is set."""
+        raw = environ.get(ENV_KEY)
+        if raw is not None and not raw:
+            raise ValueError(f"{ENV_KEY} is set but empty: unset it or give it a secret value")
+        return cls(check_verify(verify), None if raw is None else raw.encode())
+
+    def key_id(self) -> str | None:
+        if self.key is None:
+            return None
+        return hmac.new(self.key, b"stabljax checkpoint key id", hashlib.sha256).hexdigest()[:16]
+
+    def seal(
+        self,
+        meta: dict[str, Any],
+        state: Any,
+        fingerprint_words: list[int] | None,
+        host: Callable[[Any], np.ndarray] = np.asarray,
+    ) -> None:
+        """Adds the fingerprint, the leaf digests, the key id and the meta digest to ``meta``."""
+        meta["fingerprint"] = fingerprint_words
+        if self.mode == "digest":
+            meta["digests"] = leaf_digests(state, self.key, host)
+        if self.key is not None:
+            meta["key_id"] = self.key_id()
+        if self.mode or self.key is not None:
+            meta["digest"] = meta_digest(meta, self.key)
+
+    def check_meta(self, step: int, meta: dict[str, Any], where: str) -> dict[str, Any]:
+        """Returns ``meta`` if its digest holds; raises ``ValueError`` (corrupt) or
+        :class:`CheckpointKeyError` (a key setting to fix), both naming ``step``."""
+        if meta.get("version") != META_VERSION:
+            raise ValueError(f"checkpoint {step} has no stabljax meta (version {META_VERSION})")
+        name = f"checkpoint {step} in {where!r}"
+        if "key_id" in meta and self.key is None:
+            raise CheckpointKeyError(
+                f"{name} was sealed with a key: set {ENV_KEY} to the key it was written with"
+            )
+        if self.key is not None and "key_id" not in meta:
+            raise CheckpointKeyError(
+                f"{name} carries no keyed digest but {ENV_KEY} is set: it was written without "
+                "the key, or its meta was replaced. Unset the key to read it as unkeyed, or "
+                "use a new directory"
+            )
+        if self.key is not None and meta["key_id"] != self.key_id():
+            raise CheckpointKeyError(
+                f"{name} was sealed with another key than the one in {ENV_KEY} (key id "
+                f"{meta['key_id']!r}, this key's is {self.key_id()!r}): set the right key"
+            )
+        expected = meta_digest(meta, self.key if "key_id" in meta else None)
+        if (self.key is not None or "digest" in meta) and not (
+            isinstance(meta.get("digest"), str) and hmac.compare_digest(meta["digest"], expected)
+        ):
+            raise ValueError(
+                f"checkpoint {step}: meta digest mismatch (its meta item was edited or corrupted)"
+            )
+        return meta
+
+    def check_state(
+        self, step: int, meta: Mapping[str, Any], state: Any, host: Callable[[Any], np.ndarray]
+    ) -> None:
+        """Raises ``ValueError`` naming the leaf if ``state`` is not what was saved."""
+        if meta.get("fingerprint") is not None:
+            got = [int(v) for v in host(fingerprint(state))]
+            if got != meta["fingerprint"]:
+                raise ValueError(f"checkpoint {step}: state fingerprint mismatch (corrupted data)")
+        saved = meta.get("digests")
+        if saved is None:
+            return
+        got = leaf_digests(state, self.key if "key_id" in meta else None, host)
+        listed = isinstance(saved, list) and all(
+            isinstance(d, list) and len(d) == 2 and all(isinstance(v, str) for v in d)
+            for d in saved
+        )
+        if not listed or [d[0] for d in saved] != [p for p, _ in got]:
+            raise ValueError(f"checkpoint {step}: its leaf digests do not list the state's leaves")
+        pairs = zip(got, saved, strict=True)
+        bad = [p for (p, d), (_, e) in pairs if not hmac.compare_digest(d, e)]
+        if bad:
+            more = f" (and {len(bad) - 1} more leaves)" if len(bad) > 1 else ""
+            raise ValueError(
+                f"checkpoint {step}: digest mismatch in leaf {bad[0]}{more}: its values are not "
+                "the ones saved"
+            )

@@ -16,7 +16,6 @@ out by :meth:`~stabljax.control.controller.RollbackController._rollback`.
 from __future__ import annotations
 
 import dataclasses
-import json
 import pathlib
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, NoReturn
@@ -26,6 +25,7 @@ from stabljax.control import store as ck
 from stabljax.control.detectors import Detection
 from stabljax.control.errors import TrainingDiverged
 from stabljax.control.integrity import check_compatible
+from stabljax.control.jsonio import read_rollback_record
 from stabljax.control.policy import ADVICE as ADVICE
 from stabljax.control.policy import HISTORY as HISTORY
 from stabljax.control.policy import Decision as Decision
@@ -44,13 +44,14 @@ RECORD = "stabljax-rollback.json"
 
 
 def read_record(directory: pathlib.Path) -> dict[str, Any] | None:
-    """The rollback record in ``directory``, or ``None`` (missing or unreadable)."""
-    try:
-        record = json.loads((directory / RECORD).read_text())
-        int(record["rollbacks"]), int(record["target_step"]), int(record["data_index"])
-        return record
-    except (OSError, ValueError, KeyError, TypeError):
-        return None
+    """The rollback record in ``directory``, or ``None`` if there is none.
+
+    Raises:
+      MalformedJSONError: the record is not what stabljax writes (it is renamed into place
+        whole, so a bad one was edited); the message names the file and the field.
+      UnsafePathError: the record is a symlink, a FIFO or a device.
+    """
+    return read_rollback_record(directory / RECORD)
 
 
 # ---------------------------------------------------------------------------------------- recovery

@@ -12,7 +12,7 @@ from collections.abc import Callable, Mapping
 from typing import Any, Protocol
 
 from stabljax.control import policy
-from stabljax.control.integrity import META_VERSION, fingerprint, leaf_specs, node_specs
+from stabljax.control.integrity import META_VERSION, Seal, fingerprint, leaf_specs, node_specs
 from stabljax.control.policy import Ledger
 from stabljax.control.store import CheckpointStore, data_item, device_snapshot
 
@@ -42,7 +42,7 @@ class Saver:
         log: Callable[..., None],
         *,
         keep: int,
-        verify: bool,
+        verify: bool | str,
     ):
         self.store, self.monitor, self.log, self.keep, self.verify = (
             store,
@@ -51,6 +51,8 @@ class Saver:
             keep,
             verify,
         )
+        # verify (True, False or "digest") and STABLJAX_CHECKPOINT_KEY: what saves carry
+        store.seal = Seal.from_env(verify)
         self.background = False  # background_save
         self.data: Any = None  # the data iterator and the state's structure, set on resume
         self.abstract: Any = None

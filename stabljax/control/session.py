@@ -34,6 +34,7 @@ from jax.experimental import multihost_utils
 from stabljax.control.errors import DataExhausted, Preempted
 from stabljax.control.errors import warn as warn
 from stabljax.control.events import host_metrics
+from stabljax.control.fsutil import open_nofollow, read_text, refuse_symlinks
 
 # --------------------------------------------------------------------------- the directory
 # What the operator hands the controller: a train state and a writable directory.
@@ -48,6 +49,15 @@ def check_state(state: Any) -> None:
 
 
 PROBE = ".stabljax-probe-"
+SPECIAL = ("events.jsonl", "stabljax-rollback.json", "stabljax-trash", "stabljax-corrupt")
+"""A run directory's fixed names (with ``stabljax.lock*`` and ``stabljax-trash.*``)."""
+
+
+def special_entries(directory: pathlib.Path) -> list[str]:
+    """The names in ``directory`` that stabljax writes, moves or deletes by a fixed name."""
+    names = os.listdir(directory)
+    prefixed = ("stabljax.lock", "stabljax-trash.")
+    return sorted(n for n in names if n in SPECIAL or n.startswith(prefixed))
 
 
 def _alive(pid: int) -> bool:
@@ -77,7 +87,12 @@ def clean_probes(directory: pathlib.Path) -> None:
 
 def check_directory(directory: pathlib.Path) -> None:
     """Creates ``directory`` (and its parents), checks that it can be written, and
-    removes stale probe files."""
+    removes stale probe files.
+
+    Raises:
+      UnsafePathError: one of its fixed-name entries (:func:`special_entries`) is a
+        symlink, which stabljax would write, move or delete through; nothing was written.
+    """
     probe = directory / f"{PROBE}{os.getpid()}-{jax.process_index()}"
     try:
         if directory.exists() and not directory.is_dir():
@@ -86,7 +101,12 @@ def check_directory(directory: pathlib.Path) -> None:
         mode = directory.stat().st_mode
         if not mode & 0o222:  # root writes anywhere; respect the operator's intent anyway
             raise PermissionError(errno.EACCES, f"read-only (mode {oct(mode & 0o777)})")
-        probe.write_text("ok")
+        refuse_symlinks(directory, special_entries(directory))
+        fd = open_nofollow(probe, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+        try:
+            os.write(fd, b"ok")
+        finally:
+            os.close(fd)
         probe.unlink(missing_ok=True)
         clean_probes(directory)
     except OSError as e:
@@ -128,7 +148,7 @@ class DirectoryLock:
 
     def acquire(self) -> None:
         for attempt in range(2):
-            fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+            fd = open_nofollow(self.path, os.O_RDWR | os.O_CREAT)
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except OSError as e:
@@ -139,7 +159,7 @@ class DirectoryLock:
                     gc.collect()  # an unreachable controller of this process may hold it
                     continue
                 try:
-                    holder = self.path.read_text().strip() or "unknown"
+                    holder = read_text(self.path).strip() or "unknown"
                 except OSError:
                     holder = "unknown"
                 raise RuntimeError(

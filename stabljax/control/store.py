@@ -40,7 +40,9 @@ from stabljax.control.data import GrainDatasetIterator, GrainLoaderIterator
 from stabljax.control.errors import CheckpointMismatch as CheckpointMismatch
 from stabljax.control.errors import CheckpointSaveError as CheckpointSaveError
 from stabljax.control.errors import warn
-from stabljax.control.integrity import META_VERSION, fingerprint, meta_digest
+from stabljax.control.fsutil import atomic_write_json as atomic_write_json
+from stabljax.control.integrity import CheckpointKeyError, Seal
+from stabljax.control.jsonio import read_meta
 
 # -------------------------------------------------------------------------------------------- host
 # Host-side helpers of the controller: reading device values, and agreeing across hosts.
@@ -73,9 +75,14 @@ def host_scalars(metrics: Mapping[str, Any], keys: frozenset[str] | None) -> dic
 
 
 def try_everywhere(fn: Callable[[], Any], log: Callable[..., None], step: int | None) -> Any:
-    """``fn()``, or None (with a ``corrupt_checkpoint`` event) if it fails on any process."""
+    """``fn()``, or None (with a ``corrupt_checkpoint`` event) if it fails on any process.
+
+    A :class:`~stabljax.control.integrity.CheckpointKeyError` (a key to set, not corruption)
+    propagates."""
     try:
         result, ok, err = fn(), True, None
+    except CheckpointKeyError:
+        raise
     except Exception as e:  # noqa: BLE001 - any failure to read means "not usable"
         result, ok, err = None, False, e
     if not all_agree(ok):
@@ -101,21 +108,6 @@ def all_agree(ok: bool) -> bool:
         return ok
     flags = multihost_utils.process_allgather(np.asarray(ok, np.int32))
     return bool(np.all(flags))
-
-
-def atomic_write_json(path: pathlib.Path, obj: Any) -> None:
-    """Writes ``obj`` to a temporary file, fsyncs it, and renames it over ``path``."""
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    with open(tmp, "w") as f:
-        json.dump(obj, f, allow_nan=False)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    fd = os.open(path.parent, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 # ------------------------------------------------------------------------------------- checkpoints
@@ -284,6 +276,7 @@ class CheckpointStore:
         self.async_save = async_save
         self.keep = keep
         self.keeps_best = False  # the best checkpoint is kept too (a rollback_best detector)
+        self.seal = Seal()  # what the meta item carries to prove it and the state (the Saver's)
         self.state_bytes = 0
         self.log = log
         self.manager = StepManager(
@@ -391,11 +384,8 @@ class CheckpointStore:
             self.resume_only.add(step)
         meta["ckpt_losses"] = {str(k): v for k, v in self.scores.items()}
         meta["resume_only"] = sorted(self.resume_only)
-        meta["fingerprint"] = (
-            None if state_fingerprint is None else [int(v) for v in to_host(state_fingerprint)]
-        )
-        if state_fingerprint is not None:
-            meta["digest"] = meta_digest(meta)
+        words = None if state_fingerprint is None else [int(v) for v in to_host(state_fingerprint)]
+        self.seal.seal(meta, state, words, to_host)  # the leaf digests read the state here
         args = ocp.args.Composite(
             state=ocp.args.StandardSave(state),
             data=data_item,
@@ -459,14 +449,15 @@ class CheckpointStore:
         return self._check_meta(step, out["meta"])
 
     def _check_meta(self, step: int, meta: Any) -> dict[str, Any]:
-        if not isinstance(meta, dict) or meta.get("version") != META_VERSION:
-            raise ValueError(f"checkpoint {step} has no stabljax meta (version {META_VERSION})")
-        if "digest" in meta and meta["digest"] != meta_digest(meta):
-            raise ValueError(f"checkpoint {step}: meta digest mismatch (corrupted ledger)")
-        return meta
+        """The meta item read strictly (:func:`~stabljax.control.jsonio.read_meta`), its digest
+        checked (:meth:`~stabljax.control.integrity.Seal.check_meta`)."""
+        if not isinstance(meta, dict):
+            raise ValueError(f"checkpoint {step} has no stabljax meta (got {type(meta).__name__})")
+        meta = read_meta(meta, what=f"checkpoint {step}'s meta in {str(self.directory)!r}")
+        return self.seal.check_meta(step, meta, str(self.directory))
 
     def restore(
-        self, step: int, abstract: Any, data: Any = None, *, verify: bool
+        self, step: int, abstract: Any, data: Any = None, *, verify: bool | str
     ) -> tuple[Any, dict[str, Any], dict[str, Any] | None]:
         """Restores (and verifies) checkpoint ``step``: ``(state, meta, data state)``.
 
@@ -482,10 +473,8 @@ class CheckpointStore:
         state, meta = out["state"], self._check_meta(step, out["meta"])
         if int(meta["step"]) != step or int(to_host(state.step)) != step:
             raise ValueError(f"checkpoint {step} holds step {meta['step']} / {state.step}")
-        if verify and meta.get("fingerprint") is not None:
-            got = [int(v) for v in to_host(fingerprint(state))]
-            if got != meta["fingerprint"]:
-                raise ValueError(f"checkpoint {step}: state fingerprint mismatch (corrupted data)")
+        if verify:
+            self.seal.check_state(step, meta, state, to_host)
         if data is None:
             return state, meta, None
         saved, index = out["data"], int(meta["data_index"])
@@ -496,7 +485,7 @@ class CheckpointStore:
         return state, meta, dict(saved)
 
     def first_restorable(
-        self, order: Sequence[int], abstract: Any, *, verify: bool, data: Any = None
+        self, order: Sequence[int], abstract: Any, *, verify: bool | str, data: Any = None
     ) -> tuple[int, tuple[Any, dict[str, Any], Any]] | None:
         """The first of ``order`` that :meth:`restore` reads everywhere, as
         ``(step, (state, meta, data state))``; the ones that fail before it are set aside
