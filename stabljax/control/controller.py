@@ -281,8 +281,8 @@ class RollbackController:
         self._saver.data, self._saver.abstract = self._data, self._abstract
         self._store.state_bytes = state_bytes(self._abstract)
         self._pending, _ = None, self._monitor.trim(0)
+        self._store.warn_foreign(refuse_if_no_run=True)  # a user's all-digit folder: left alone
         self._store.clean_leftovers(RECORD)  # waits for saves in flight first
-        self._store.warn_foreign()  # a user's all-digit folder is no checkpoint: left alone
         steps = self._store.steps()
         if not steps:
             self._step = int(ck.to_host(state.step))

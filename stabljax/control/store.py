@@ -433,9 +433,21 @@ class CheckpointStore:
         steps = self.manager.all_steps()
         return sorted(s for s in steps if s != inflight and not self._ours(s))
 
-    def warn_foreign(self) -> None:
-        """Warns once per folder that looks like a step but is not a checkpoint."""
-        for s in self.foreign():
+    def warn_foreign(self, *, refuse_if_no_run: bool = False) -> None:
+        """Warns once per folder that looks like a step but is not a checkpoint. With
+        ``refuse_if_no_run`` (a run's start), a directory holding no run of stabljax's (no
+        checkpoint, no ``events.jsonl``) whose step-like folders are someone else's is a
+        ``ValueError``, before anything is moved or written."""
+        foreign = self.foreign()
+        if refuse_if_no_run and foreign and not self.steps():
+            if not (self.directory / "events.jsonl").exists():
+                raise ValueError(
+                    f"{self.directory} holds no stabljax run, but folders named like steps "
+                    f"that are not checkpoints ({', '.join(map(str, foreign[:5]))}): it looks "
+                    "like someone else's data. Point the controller at an empty or new "
+                    "directory, or at one of its own runs; nothing was moved or written."
+                )
+        for s in foreign:
             if s not in self._warned:
                 self._warned.add(s)
                 warn(
