@@ -705,9 +705,9 @@ def test_a_users_numbered_folder_is_left_in_place_through_retention_and_rollback
 def test_a_folder_of_someone_elses_files_is_refused_and_nothing_moves(tmp_path):
     (tmp_path / "2024").mkdir()
     (tmp_path / "2024" / "photo.jpg").write_bytes(b"\xff\xd8")
-    with pytest.raises(RuntimeError, match=r"\[2024\].*move them out"):
-        with pytest.warns(RuntimeWarning, match="2024 is named like a checkpoint step"):
-            _run(tmp_path, 10, batch_fn_factory())
+    # Refused at restore_or_init, before anything is written (no checkpoint 0 either).
+    with pytest.raises(RuntimeError, match=r"holds no stabljax run.*\(2024\).*nothing was moved"):
+        _run(tmp_path, 10, batch_fn_factory())
     assert (tmp_path / "2024" / "photo.jpg").read_bytes() == b"\xff\xd8"
     assert not (tmp_path / "stabljax-corrupt").exists()
     assert sorted(p.name for p in tmp_path.iterdir() if p.is_dir()) == ["2024"]

@@ -56,16 +56,16 @@ def test_spike_z_score_and_required_excess_by_hand():
     _feed(det, xs)
     # sorted: 1.9 2.0 2.0 2.02 2.05 2.1 -> median 2.01; |x - 2.01|: .01 .01 .01 .04 .09 .11
     median, scale = 2.01, 1.482602218505602 * 0.025
-    d = det.update(6, {"loss": 9.0})
+    d = det.update(6, {"loss": 10.0})
     assert d is not None and d.kind == "spike" and d.step == 6 and d.onset == 6
     np.testing.assert_allclose(d.details["median"], median, rtol=1e-12)
     np.testing.assert_allclose(d.details["scale"], scale, rtol=1e-9)
-    np.testing.assert_allclose(d.details["z"], (9.0 - median) / scale, rtol=1e-9)
-    # max(8 * 0.0371, 3 * 2.01, 1e-3): the relative floor decides.
-    np.testing.assert_allclose(d.details["required"], 3.0 * median, rtol=1e-12)
+    np.testing.assert_allclose(d.details["z"], (10.0 - median) / scale, rtol=1e-9)
+    # max(8 * 0.0371, 3.5 * 2.01, 1e-3): the relative floor decides.
+    np.testing.assert_allclose(d.details["required"], 3.5 * median, rtol=1e-12)
     assert d.action == "rollback"  # not skipped: its update was applied
     # Just under the floor is not a spike.
-    assert det.update(7, {"loss": median + 0.999 * 3.0 * median}) is None
+    assert det.update(7, {"loss": median + 0.999 * 3.5 * median}) is None
 
 
 def test_spike_threshold_boundary():

@@ -338,19 +338,3 @@ def test_a_foreign_folder_past_the_step_makes_a_save_fail_clearly(store, toy):
         _write(store, _at(toy[0], 10), 10)
     assert (store.directory / "2024" / "photo.jpg").read_bytes() == b"\xff\xd8"
     assert store.steps() == []
-
-
-def test_a_directory_of_someone_elses_numbered_data_is_refused_and_left_alone(tmp_path, toy):
-    from toy import batch_fn_factory, toy_controller
-
-    d = tmp_path / "photos"
-    (d / "2024").mkdir(parents=True)
-    (d / "2024" / "photo.jpg").write_bytes(b"\xff\xd8")
-    (d / "notes.txt").write_text("mine")
-    with toy_controller(d) as ctl:
-        with pytest.raises(ValueError, match=r"holds no stabljax run.*\(2024\).*nothing was moved"):
-            ctl.restore_or_init(toy[0], IndexedBatches(batch_fn_factory()))
-    assert (d / "2024" / "photo.jpg").read_bytes() == b"\xff\xd8"
-    assert (d / "notes.txt").read_text() == "mine"
-    assert not (d / "0").exists() and not (d / "stabljax-corrupt").exists()
-    assert sorted(p.name for p in d.iterdir()) == ["2024", "notes.txt", "stabljax.lock"]

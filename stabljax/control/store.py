@@ -437,11 +437,11 @@ class CheckpointStore:
         """Warns once per folder that looks like a step but is not a checkpoint. With
         ``refuse_if_no_run`` (a run's start), a directory holding no run of stabljax's (no
         checkpoint, no ``events.jsonl``) whose step-like folders are someone else's is a
-        ``ValueError``, before anything is moved or written."""
+        ``RuntimeError``, before anything is moved or written."""
         foreign = self.foreign()
         if refuse_if_no_run and foreign and not self.steps():
             if not (self.directory / "events.jsonl").exists():
-                raise ValueError(
+                raise RuntimeError(
                     f"{self.directory} holds no stabljax run, but folders named like steps "
                     f"that are not checkpoints ({', '.join(map(str, foreign[:5]))}): it looks "
                     "like someone else's data. Point the controller at an empty or new "
