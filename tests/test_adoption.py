@@ -27,7 +27,8 @@ from stabljax.reference import default_corpus
 README = pathlib.Path(__file__).parents[1] / "README.md"
 HERE = pathlib.Path(__file__).parents[1] / "examples"
 NAN_BATCH = 61  # the second micro-batch of optimizer update 30
-GARBAGE = range(120, 140)  # 20 batches of uniform random bytes
+GARBAGE = range(250, 270)  # 20 batches of uniform random bytes, after the step-100 checkpoint
+STEPS = 400
 
 
 def make_docs(cfg, n_batches, *, nan_batch=None, garbage=()):
@@ -123,10 +124,10 @@ def test_adopted_trainer_on_bad_data_never_stalls_and_ends_near_the_clean_run(
         inside = _Inside()
         monkeypatch.setattr(adopt_after, "optax", inside.optax)
         monkeypatch.setattr(adopt_after, "stabljax", inside.stabljax)
-    cfg = adopt_after.Config(batch_size=32)  # less data-order noise in the comparison
-    clean_docs, held_out = make_docs(cfg, 400)
+    cfg = adopt_after.Config(batch_size=32, steps=STEPS)  # less data-order noise
+    clean_docs, held_out = make_docs(cfg, 2 * STEPS)
     _, clean_eval, _ = adopt_after.train(cfg, clean_docs, held_out, tmp_path / "clean")
-    docs, _ = make_docs(cfg, 400, nan_batch=NAN_BATCH, garbage=GARBAGE)
+    docs, _ = make_docs(cfg, 2 * STEPS, nan_batch=NAN_BATCH, garbage=GARBAGE)
     updates, finite = [], []
 
     def on_step(state, metrics):

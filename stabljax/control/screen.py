@@ -39,6 +39,7 @@ from stabljax.control.store import all_agree, device_snapshot, to_host
 from stabljax.control.triage import is_spike
 
 SCREENED = ("screened", "screened_indices", "screened_losses", "screen_capped")  # event keys
+REFERENCE = 8  # healthy batches screened for the restored state's own loss level
 
 
 @dataclasses.dataclass(frozen=True)
@@ -148,6 +149,27 @@ def screen_ahead(
     return Screened(start, end, tuple(indices), tuple(losses), capped)
 
 
+def losses_at(step_fn: Any, state: Any, data: Any, indices: list[int]) -> list[float]:
+    """The loss of each batch in ``indices`` (allowed ones) from a copy of ``state``;
+    ``data`` is back where it was on return."""
+    batch_fn, home, out = getattr(data, "batch_fn", None), data.index, []
+    try:
+        for i in indices:
+            if callable(batch_fn):
+                batch = batch_fn(i)
+            else:
+                _move(data, i)
+                batch = next(data)
+            _, metrics = step_fn(device_snapshot(state), batch)
+            out.append(float(to_host(metrics[keys.LOSS])))
+    except (StopIteration, IndexError):  # the data ended
+        pass
+    finally:
+        if not callable(batch_fn):
+            _move(data, home)
+    return out
+
+
 def _move(data: Any, index: int) -> None:
     if index < data.index:
         data.rewind(index)
@@ -165,8 +187,18 @@ def extend_over_window(
     cannot be screened. On several processes every process screens in lockstep."""
     if not can_screen(data):
         return plan
-    reference = [x[1] for x in losses if x[0] < plan.onset and not x[2]]
-    reference = [v for v in reference if v is not None and math.isfinite(v)]
+    # The reference is the restored state's own loss on the healthy batches it was about to
+    # train on (those fed before the onset): the run's losses before the onset come from a
+    # later state, and a state far back (an untrained one) finds every batch "anomalous".
+    indices, i = [], plan.skip.start
+    for _ in range(max(0, min(REFERENCE, plan.onset - plan.target))):
+        i = first_allowed(i, data.skipped_ranges)
+        indices.append(i)
+        i += 1
+    reference = [v for v in losses_at(step_fn, state, data, indices) if math.isfinite(v)]
+    if len(reference) < 3:  # no healthy batch between the checkpoint and the onset
+        reference = [x[1] for x in losses if x[0] < plan.onset and not x[2]]
+        reference = [v for v in reference if v is not None and math.isfinite(v)]
     found = screen_ahead(
         step_fn,
         state,
