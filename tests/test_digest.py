@@ -33,8 +33,9 @@ from stabljax.control.integrity import (
     leaf_digests,
     meta_digest,
 )
+from stabljax.control.items import data_item
 from stabljax.control.policy import Ledger
-from stabljax.control.store import CheckpointStore, data_item
+from stabljax.control.store import CheckpointStore
 
 KEY = "correct horse battery staple"
 KW = dict(save_every=10, keep=3, rollback_margin=5, async_save=False, verify="digest")

@@ -26,12 +26,12 @@ from stabljax.control.integrity import (
     leaf_specs,
     meta_digest,
 )
+from stabljax.control.items import data_item
 from stabljax.control.policy import Ledger
 from stabljax.control.store import (
     CORRUPT,
     CheckpointStore,
     atomic_write_json,
-    data_item,
     host_scalars,
     try_everywhere,
 )

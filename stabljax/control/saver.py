@@ -13,8 +13,9 @@ from typing import Any, Protocol
 
 from stabljax.control import policy
 from stabljax.control.integrity import META_VERSION, Seal, fingerprint, leaf_specs, node_specs
+from stabljax.control.items import data_item, device_snapshot
 from stabljax.control.policy import Ledger
-from stabljax.control.store import CheckpointStore, data_item, device_snapshot
+from stabljax.control.store import CheckpointStore
 
 
 class Trajectory(Protocol):

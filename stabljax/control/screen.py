@@ -34,8 +34,9 @@ from typing import Any
 import jax
 
 from stabljax import metrics as keys
+from stabljax.control.items import device_snapshot
 from stabljax.control.policy import first_allowed
-from stabljax.control.store import all_agree, device_snapshot, to_host
+from stabljax.control.store import all_agree, to_host
 from stabljax.control.triage import is_spike
 
 SCREENED = ("screened", "screened_indices", "screened_losses", "screen_capped")  # event keys

@@ -55,6 +55,7 @@ import numpy as np
 from stabljax import metrics as keys
 from stabljax.control import attribution
 from stabljax.control import store as ck
+from stabljax.control.items import device_snapshot
 from stabljax.control.policy import first_allowed
 
 VERDICTS = ("nondeterministic", "data", "state", "inconclusive")
@@ -275,13 +276,13 @@ class _Replayer:
     def run(self, phase: str, state: Any, first_step: int, indices: Sequence[int], keep=False):
         """Steps a copy of ``state`` through ``indices``; returns host metrics per step, the
         state before the last step (a copy) and, with ``keep``, full metrics."""
-        state = ck.device_snapshot(state)
+        state = device_snapshot(state)
         pending, before_last = [], None
         try:
             for k, index in enumerate(indices):
                 self._charge(1)
                 if k == len(indices) - 1:
-                    before_last = ck.device_snapshot(state)
+                    before_last = device_snapshot(state)
                 if k >= 2:  # at most two replayed steps in flight, so the time budget is
                     # charged for work done, and XLA:CPU's launch queue stays bounded
                     jax.block_until_ready(pending[k - 2][2])
