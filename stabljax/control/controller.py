@@ -39,7 +39,6 @@ from stabljax.control.integrity import check_verify, jsonable, state_bytes
 from stabljax.control.monitor import Monitor
 from stabljax.control.policy import Ledger
 from stabljax.control.remedies import RollbackInfo, check_remedy, describe, remedy_event
-from stabljax.control.rollback import RECORD
 from stabljax.control.saver import Saver
 from stabljax.control.screen import SCREENED, extend_over_window
 from stabljax.control.session import (
@@ -282,7 +281,7 @@ class RollbackController:
         self._store.state_bytes = state_bytes(self._abstract)
         self._pending, _ = None, self._monitor.trim(0)
         self._store.warn_foreign(refuse_if_no_run=True)  # a user's all-digit folder: left alone
-        self._store.clean_leftovers(RECORD)  # waits for saves in flight first
+        self._store.clean_leftovers()  # waits for saves in flight first
         steps = self._store.steps()
         if not steps:
             self._step = int(ck.to_host(state.step))
@@ -291,13 +290,14 @@ class RollbackController:
             self._save(state, sync=True)
             return state, self._data
         r = rb.resume(self._store, self._saver, self._data_config())
-        self._step, self._ledger = self._saver.load(r.meta), r.ledger
+        self._monitor.load(r.meta)
+        self._step, self._ledger = self._store.load(r.meta), r.ledger
         self._watch.install(self._step)
         state = r.state
         if r.redo is not None and self.remedy is not None:
             state = rb.reapply_remedy(self.remedy, state, r.redo)
         self._place(r.index, state, data_state=r.saved)
-        self._saver.retain()
+        self._store.retain()
         details = dict(skipped_ranges=r.ledger.ranges, rollbacks=r.ledger.rollbacks)
         self._log("restore", self._step, data_index=self._data.index, **r.detail, **details)
         if r.redo is not None and self.remedy is not None:
@@ -333,10 +333,10 @@ class RollbackController:
         due = self._step % self.save_every == 0
         if self._watch.should_stop(self._step, agree=due):
             state = self._flush_and_save(state, sync=True, off_grid=not due)
-            saved = self._saver.saved_at == self._step
+            saved = self._store.saved_at == self._step
             self._log("preempted", self._step, signal=self._watch.signum, saved=saved)
             raise Preempted(self._step, self._watch.signum, saved, state)
-        if due or self._saver.deferred is not None:
+        if due or self._store.deferred is not None:
             state = self._flush_and_save(state)
         return state, data
 
@@ -390,7 +390,7 @@ class RollbackController:
         self._closed = True
         try:
             self._store.settle()
-            self._saver.retain()
+            self._store.retain()
         except Exception:
             if not quiet:
                 raise
@@ -454,7 +454,7 @@ class RollbackController:
         self._save(state, sync=sync, resume_only=off_grid)
         if sync:
             self._store.settle()
-            self._saver.retain()
+            self._store.retain()
         return state
 
     def _data_config(self) -> Any:
@@ -507,14 +507,13 @@ class RollbackController:
         plan = policy.plan_rollback(triggers, self._ledger, checkpoint, fed_end, cfg, **kw)
         plan = self._screen_hook(state, plan, losses)
         state, plan = self._remedy_hook(state, plan, triggers)
-        if ck.is_primary():
-            ck.atomic_write_json(store.directory / RECORD, plan.record(time.time()))
-        ck.barrier(f"rollback_record_{plan.ledger.rollbacks}")
+        store.write_record(plan.record(time.time()))
         store.delete_newer_than(target)  # only now: a crash before this is finished on restart
         self._log_rollback(plan, losses, report)
         # The checkpoint's trajectory (detectors, EMA) comes back; the run ledger moves on,
         # and the losses of the abandoned branch leave the history shown in events.
-        self._step, self._ledger, self._pending = self._saver.load(meta), plan.ledger, None
+        monitor.load(meta)
+        self._step, self._ledger, self._pending = store.load(meta), plan.ledger, None
         monitor.trim(target)
         self._place(plan.resume_at, state)
         self._log("restore", target, data_index=self._data.index, reason="rollback")
@@ -525,16 +524,13 @@ class RollbackController:
         (:func:`~stabljax.control.triage.for_rollback`) and returns its report."""
         if self.triage is None:
             return None
-
-        def read(step: int) -> tuple[Any, dict[str, Any]]:
-            return self._store.restore(step, self._abstract, verify=self.verify)[:2]
-
         return tr.for_rollback(
             self.triage,
             step_fn=self._train_step,
             data=self._data,
-            steps=self._store.steps(),
-            restore=read,
+            store=self._store,
+            abstract=self._abstract,
+            verify=self.verify,
             history=list(self._monitor.recent),
             target=target,
             state=state,

@@ -35,12 +35,10 @@ from stabljax.control.policy import diverged_message as diverged_message
 from stabljax.control.policy import first_allowed
 from stabljax.control.policy import losses_before as losses_before
 from stabljax.control.saver import Saver
+from stabljax.control.store import RECORD as RECORD
 
 # ------------------------------------------------------------------------------------------ ledger
 # The run ledger: skipped ranges, rollbacks, the crash record, and the give-up message.
-
-
-RECORD = "stabljax-rollback.json"
 
 
 def read_record(directory: pathlib.Path) -> dict[str, Any] | None:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import functools
 import json
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from typing import Any, Protocol
 
 from stabljax.control import policy
@@ -20,7 +20,7 @@ from stabljax.control.store import CheckpointStore
 
 class Trajectory(Protocol):
     """What a save reads of the detectors' side
-    (:class:`~stabljax.control.monitor.Monitor` has it), and restores into it."""
+    (:class:`~stabljax.control.monitor.Monitor` has it)."""
 
     rolls_back_to_best: bool
     last_loss: float | None
@@ -29,8 +29,6 @@ class Trajectory(Protocol):
     def active_onsets(self) -> list[int | None]: ...
 
     def to_meta(self) -> dict[str, Any]: ...
-
-    def load(self, meta: Mapping[str, Any]) -> None: ...
 
 
 class Saver:
@@ -57,29 +55,9 @@ class Saver:
         self.background = False  # background_save
         self.data: Any = None  # the data iterator and the state's structure, set on resume
         self.abstract: Any = None
-        self.saved_at: int | None = None  # the step of the newest checkpoint
-        self.deferred: int | None = None  # a due save waiting for a healthy state
 
     def kept(self) -> list[int]:
         return self.store.kept()
-
-    def retain(self) -> None:
-        self.store.retain()
-
-    def restore(self, step: int, *, with_data: bool = False) -> tuple[Any, dict[str, Any], Any]:
-        """Reads and verifies checkpoint ``step`` into the run's structure
-        (:meth:`~stabljax.control.store.CheckpointStore.restore`; ``with_data``: the data
-        state too)."""
-        data = self.data if with_data else None
-        return self.store.restore(step, self.abstract, data, verify=self.verify)
-
-    def load(self, meta: Mapping[str, Any]) -> int:
-        """Takes a checkpoint's trajectory (detectors, EMA, kept scores); returns its step."""
-        self.monitor.load(meta)
-        self.store.scores = {int(k): float(v) for k, v in meta["ckpt_losses"].items()}
-        self.store.resume_only = set(meta.get("resume_only", []))
-        self.saved_at, self.deferred = int(meta["step"]), None
-        return self.saved_at
 
     def maybe_save(
         self,
@@ -95,14 +73,14 @@ class Saver:
 
         The store writes it (:meth:`CheckpointStore.write`), here or on its worker thread.
         """
-        data, abstract, log = self.data, self.abstract, self.log
-        if self.saved_at == step:
+        data, abstract, log, store = self.data, self.abstract, self.log, self.store
+        if store.saved_at == step:
             return
         blocker = policy.save_blocker(self.monitor.active_onsets(), self.monitor.last_loss)
         if blocker is not None:
-            if self.deferred is None:
+            if store.deferred is None:
                 log("save_deferred", step, reason=blocker)
-                self.deferred = step
+                store.deferred = step
             return
         self.store.join_worker()
         background = self.background and not sync
@@ -124,7 +102,7 @@ class Saver:
             self.monitor.smoothed_loss,
             wait=sync or background,
             kept=self.kept,
-            resume_only=resume_only and self.deferred is None,
+            resume_only=resume_only and store.deferred is None,
         )
-        self.store.submit(job) if background else job()
-        self.saved_at, self.deferred = step, None
+        store.submit(job) if background else job()
+        store.saved_at, store.deferred = step, None

@@ -113,6 +113,7 @@ def all_agree(ok: bool) -> bool:
 
 
 TRASH = "stabljax-trash"
+RECORD = "stabljax-rollback.json"  # the rollback record (crash safety), beside the steps
 COMMIT_MARKER = "_CHECKPOINT_METADATA"  # what Orbax writes into a step once it committed
 CORRUPT = "stabljax-corrupt"
 
@@ -209,6 +210,8 @@ class CheckpointStore:
         # write() changes them while a save is in flight.
         self.scores: dict[int, float] = {}
         self.resume_only: set[int] = set()
+        self.saved_at: int | None = None  # the step of the newest checkpoint
+        self.deferred: int | None = None  # a due save waiting for a healthy state (Saver's)
         self._inflight: tuple[int, dict[str, Any]] | None = None
         self._warned: set[int] = set()  # foreign folders already warned about
         self._sweeper = _Sweeper()
@@ -327,6 +330,21 @@ class CheckpointStore:
             self._inflight[1]["reason"] = "preempted"
         if wait or not self.async_save:
             self.commit()
+
+    def load(self, meta: Mapping[str, Any]) -> int:
+        """Takes the save bookkeeping of a restored checkpoint's meta item (the kept
+        checkpoints' scores and resume-only marks, its step as the newest); returns its step."""
+        self.scores = {int(k): float(v) for k, v in meta["ckpt_losses"].items()}
+        self.resume_only = set(meta.get("resume_only", []))
+        self.saved_at, self.deferred = int(meta["step"]), None
+        return self.saved_at
+
+    def write_record(self, record: Mapping[str, Any]) -> None:
+        """Writes the rollback record (:data:`RECORD`; the primary host, atomic rename) and
+        waits until every process is past it, so no process deletes before it is on disk."""
+        if is_primary():
+            atomic_write_json(self.directory / RECORD, dict(record))
+        barrier(f"rollback_record_{record['rollbacks']}")
 
     # --------------------------------------------------------------------------- reads
 
@@ -478,11 +496,11 @@ class CheckpointStore:
             os.replace(trash, doomed)
             self._sweeper.remove(doomed)
 
-    def clean_leftovers(self, record_name: str) -> None:
+    def clean_leftovers(self) -> None:
         """Removes what a crash left: a half-written record, a trash sweep cut short."""
         self.settle()
         if is_primary():
-            for tmp in self.directory.glob(f".{record_name}.tmp-*"):
+            for tmp in self.directory.glob(f".{RECORD}.tmp-*"):
                 tmp.unlink(missing_ok=True)
             for doomed in self.directory.glob(f"{TRASH}.*"):
                 self._sweeper.remove(doomed)

@@ -461,8 +461,9 @@ def for_rollback(
     *,
     step_fn: Callable[[Any, Any], tuple[Any, Mapping[str, Any]]] | None,
     data: Any,
-    steps: Sequence[int],
-    restore: Callable[[int], tuple[Any, dict[str, Any]]],
+    store: ck.CheckpointStore,
+    abstract: Any,
+    verify: bool | str,
     history: Sequence[tuple[int, float, bool]],
     target: int,
     state: Any,
@@ -472,7 +473,8 @@ def for_rollback(
 ) -> dict[str, Any]:
     """:func:`triage` with the controller's parts: its checkpoints, data and history.
 
-    The earlier checkpoint is the newest kept one before ``target``; it is restored only
+    The earlier checkpoint is the newest of ``store``'s before ``target``, read into the
+    run's structure ``abstract`` (checked as ``verify`` says); it is restored only
     if the replay from ``target`` reproduces the spike, and a failure to read it is an
     ``inconclusive`` verdict (nothing is set aside: triage changes nothing on disk).
     """
@@ -487,11 +489,11 @@ def for_rollback(
         return unavailable(f"{name} cannot fetch a batch by index (IndexedBatches can)", **where)
 
     def earlier():
-        prior = [s for s in steps if s < target]
+        prior = [s for s in store.steps() if s < target]
         if not prior:
             return None
         try:
-            e_state, e_meta = restore(prior[-1])
+            e_state, e_meta, _ = store.restore(prior[-1], abstract, verify=verify)
         except Exception:  # noqa: BLE001 - an unreadable checkpoint only ends the triage
             return None
         return prior[-1], e_state, e_meta
