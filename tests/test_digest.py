@@ -70,7 +70,6 @@ def write(directory, state, step, seal):
         data_item(IndexedBatches(lambda i: i, start=step), restore=False),
         1.0,
         wait=True,
-        kept=store.steps,
         resume_only=False,
     )
     store.close()

@@ -67,14 +67,6 @@ def test_skip_range_plain_extra_and_doubled():
     assert not s.doubled and s.length == 20  # 51 - 20 > 30: not consecutive
 
 
-def test_kept_steps():
-    assert policy.kept_steps([0, 10, 20, 30], keep=3, best=None) == [10, 20, 30]
-    assert policy.kept_steps([0, 10, 20, 30], keep=2, best=0) == [0, 20, 30]
-    assert policy.kept_steps([0, 10, 20, 23], keep=2, best=None, resume_only=[23]) == [10, 20, 23]
-    # An older resume-only checkpoint goes once a regular one is newer.
-    assert policy.kept_steps([10, 20, 23, 30], keep=2, best=None, resume_only=[23]) == [20, 30]
-
-
 def test_save_blocker():
     assert policy.save_blocker([None, None], 1.0) is None
     assert "onset 7" in policy.save_blocker([None, 7], 1.0)

@@ -175,7 +175,7 @@ def _at(state, step):
     return state.replace(step=jnp.asarray(step, jnp.int32))
 
 
-def _write(store, state, step, *, print_of=None, kept=None):
+def _write(store, state, step, *, print_of=None):
     """Writes ``state`` as checkpoint ``step``; its fingerprint is ``print_of``'s."""
     meta = {"version": META_VERSION, "step": step, "data_index": step} | Ledger().to_meta()
     data = IndexedBatches(lambda i: i, start=step)
@@ -187,7 +187,6 @@ def _write(store, state, step, *, print_of=None, kept=None):
         data_item(data, restore=False),
         float(step),
         wait=True,
-        kept=(lambda: store.steps()) if kept is None else kept,
         resume_only=False,
     )
 
@@ -268,10 +267,11 @@ def test_the_first_restorable_sets_aside_the_unreadable_ones_before_it(store, to
 
 def test_retention_and_rollback_deletion(store, toy):
     for step in (10, 20, 30, 40):
-        _write(store, _at(toy[0], step), step, kept=lambda: [10, 20, 30])
-    # Each write first drops what ``kept`` leaves out, then saves: 40 joins 10, 20, 30.
-    assert store.steps() == [10, 20, 30, 40]
-    store.retain([20, 40])
+        _write(store, _at(toy[0], step), step)
+    # Orbax drops what retention leaves out once the next save has committed: keep=3.
+    assert store.steps() == [20, 30, 40]
+    store.resume_only.add(30)  # as a loaded meta item can say: 30 no longer counts
+    store.retain()
     assert store.steps() == [20, 40] and set(store.scores) == {20, 40}
     store.delete_newer_than(20)
     assert store.steps() == [20] and store.scores == {20: 20.0}
@@ -295,7 +295,7 @@ def test_a_grain_position_is_read_without_touching_the_live_iterator(store, toy)
     state = _at(toy[0], 10)
     meta = {"version": META_VERSION, "step": 10, "data_index": data.index} | Ledger().to_meta()
     args = (fingerprint(state), meta, data_item(data, restore=False), 10.0)
-    store.write(10, state, *args, wait=True, kept=store.steps, resume_only=False)
+    store.write(10, state, *args, wait=True, resume_only=False)
     live = make()
     for _ in range(3):
         next(live)
@@ -316,7 +316,9 @@ def test_a_foreign_numbered_folder_is_no_step_and_is_never_deleted(store, toy):
     store.manager.reload()
     assert 25 in store.manager.all_steps()  # Orbax alone would count it
     assert store.steps() == [10, 20, 30] and store.foreign() == [25]
-    store.retain([30])
+    store.keep = 1
+    store.retain()
+    assert store.steps() == [30] and store.foreign() == [25]
     store.delete_newer_than(10)
     store.delete([25])
     assert store.steps() == []

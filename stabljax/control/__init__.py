@@ -18,11 +18,13 @@ an index) and the event log.
 
 The modules, each importing only those below it (no circle, ``tests/test_architecture.py``):
 :mod:`~stabljax.control.errors`; :mod:`~stabljax.control.policy` (the pure decisions: the
-ledger, whether and how to roll back, what to keep); :mod:`~stabljax.control.data`
+ledger, whether and how to roll back); :mod:`~stabljax.control.data`
 (iterators; ``DataIterator.restore`` sets the position); :mod:`~stabljax.control.trends`,
 :mod:`~stabljax.control.detectors` and :mod:`~stabljax.control.drift`;
 :mod:`~stabljax.control.events`; :mod:`~stabljax.control.integrity` (the meta item's
-checks); :mod:`~stabljax.control.store` (Orbax: the one place checkpoints are written);
+checks); :mod:`~stabljax.control.items` (device copies, the data item);
+:mod:`~stabljax.control.retention` (which checkpoints Orbax keeps);
+:mod:`~stabljax.control.store` (Orbax: the one place checkpoints are written);
 :mod:`~stabljax.control.saver`; :mod:`~stabljax.control.monitor`;
 :mod:`~stabljax.control.remedies`; :mod:`~stabljax.control.attribution` and
 :mod:`~stabljax.control.triage`; :mod:`~stabljax.control.rollback` (resume);

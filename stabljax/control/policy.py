@@ -1,8 +1,9 @@
 """The rollback controller's decisions, as pure functions of plain numbers.
 
-No Orbax, no JAX, no I/O: which checkpoints to keep, which one a rollback restores,
-which data range it skips, whether a save may happen now, and which configurations
-cannot work. Each is tested on its own, without a model (``tests/test_policy.py``).
+No Orbax, no JAX, no I/O: which checkpoint a rollback restores, which data range it
+skips, whether a save may happen now, and which configurations cannot work (which
+checkpoints are kept is Orbax's, under :mod:`~stabljax.control.retention`). Each is
+tested on its own, without a model (``tests/test_policy.py``).
 
 The rules:
 
@@ -96,30 +97,6 @@ def check_action(action: Any, detector: str) -> None:
             f"detector {detector!r} returned a detection with action {action!r}; the "
             f"controller knows {ACTIONS}"
         )
-
-
-def kept_steps(
-    steps: Iterable[int], *, keep: int, best: int | None, resume_only: Iterable[int] = ()
-) -> list[int]:
-    """The checkpoints to keep: the ``keep`` newest regular ones, the best, and a
-    resume-only one newer than every regular one (the point to resume from).
-
-    Example:
-      >>> from stabljax.control.policy import kept_steps
-      >>> kept_steps([0, 10, 20, 30, 37], keep=2, best=0, resume_only=[37])
-      [0, 20, 30, 37]
-      >>> kept_steps([0, 10, 20, 25, 30], keep=2, best=None, resume_only=[25])
-      [20, 30]
-    """
-    steps = sorted(steps)
-    special = set(resume_only)
-    regular = [s for s in steps if s not in special]
-    out = set(regular[-keep:])
-    newest = max(regular, default=-1)
-    out.update(s for s in steps if s in special and s > newest)
-    if best is not None and best in steps:
-        out.add(best)
-    return sorted(out)
 
 
 def best_step(steps: Iterable[int], scores: Mapping[int, float]) -> int | None:

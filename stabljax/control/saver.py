@@ -56,9 +56,6 @@ class Saver:
         self.data: Any = None  # the data iterator and the state's structure, set on resume
         self.abstract: Any = None
 
-    def kept(self) -> list[int]:
-        return self.store.kept()
-
     def maybe_save(
         self,
         step: int,
@@ -101,7 +98,6 @@ class Saver:
             item,
             self.monitor.smoothed_loss,
             wait=sync or background,
-            kept=self.kept,
             resume_only=resume_only and store.deferred is None,
         )
         store.submit(job) if background else job()

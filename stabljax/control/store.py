@@ -9,7 +9,10 @@
   checkpoints are a ``Composite`` of the train state, the data position (Grain's own
   checkpoint, or JSON) and the JSON meta item. Commit, then log: a ``save`` event is
   written once the checkpoint has committed; a failed save is a ``save_failed`` event and
-  a :class:`~stabljax.control.errors.CheckpointSaveError`.
+  a :class:`~stabljax.control.errors.CheckpointSaveError`. Orbax deletes what the
+  store's :class:`~stabljax.control.retention.Retention` (its preservation policy) does
+  not keep; the store adds what Orbax lacks: the composite item, the fingerprint and digest
+  checks, and never claiming a folder that is not a checkpoint.
 * When a checkpoint is taken and what it holds is :class:`~stabljax.control.saver.Saver`'s
   decision; it writes through :meth:`CheckpointStore.write`.
 """
@@ -41,6 +44,7 @@ from stabljax.control.fsutil import atomic_write_json as atomic_write_json
 from stabljax.control.integrity import CheckpointKeyError, Seal
 from stabljax.control.items import GrainStateReader, data_item
 from stabljax.control.jsonio import read_meta
+from stabljax.control.retention import Retention
 
 # -------------------------------------------------------------------------------------------- host
 # Host-side helpers of the controller: reading device values, and agreeing across hosts.
@@ -195,24 +199,26 @@ class CheckpointStore:
         self.seal = Seal()  # what the meta item carries to prove it and the state (the Saver's)
         self.state_bytes = 0
         self.log = log
+        self.retention = Retention(self)  # Orbax applies it at every save
         self.manager = StepManager(
             directory,
             item_names=("state", "data", "meta"),
             options=ocp.CheckpointManagerOptions(
-                max_to_keep=None,
+                preservation_policy=self.retention,
                 enable_async_checkpointing=async_save,
                 cleanup_tmp_directories=True,
                 todelete_subdir=TRASH,
                 create=True,
             ),
         )
-        # Scores (smoothed losses) and resume-only marks of the kept checkpoints; only
-        # write() changes them while a save is in flight.
+        # Scores (smoothed losses) and resume-only marks of the kept checkpoints, which
+        # retention reads; only write() changes them while a save is in flight.
         self.scores: dict[int, float] = {}
         self.resume_only: set[int] = set()
         self.saved_at: int | None = None  # the step of the newest checkpoint
         self.deferred: int | None = None  # a due save waiting for a healthy state (Saver's)
         self._inflight: tuple[int, dict[str, Any]] | None = None
+        self._writing: int | None = None  # the step inside manager.save (not on disk yet)
         self._warned: set[int] = set()  # foreign folders already warned about
         self._sweeper = _Sweeper()
         self._worker: concurrent.futures.ThreadPoolExecutor | None = None
@@ -253,6 +259,7 @@ class CheckpointStore:
             if inflight is None:
                 raise
             raise self._failed(inflight[0], e) from e
+        self._empty_trash()  # what retention dropped when the save committed
         if inflight is not None:
             self.log("save", inflight[0], **inflight[1])
 
@@ -285,17 +292,17 @@ class CheckpointStore:
         score: float | None,
         *,
         wait: bool,
-        kept: Callable[[], list[int]],
         resume_only: bool,
     ) -> None:
-        """Writes checkpoint ``step`` (any thread): retention first, then the save."""
+        """Writes checkpoint ``step`` (any thread). Orbax drops what :attr:`retention` does
+        not preserve, the new step counted, once it has committed."""
         if (actual := int(to_host(state.step))) != step:
             raise ValueError(
                 f"state.step is {actual} but the controller counted {step} steps: the train "
                 "step must increment state.step by one on every call (skipped or not)"
             )
         self.commit()
-        self.retain(kept())
+        self.retain()  # catches up with a load (rollback, resume) since the last save
         if score is not None and not resume_only:
             self.scores[step] = score
         if resume_only:
@@ -309,10 +316,13 @@ class CheckpointStore:
             data=data_item,
             meta=ocp.args.JsonSave(meta),
         )
+        self._writing = step
         try:
             saved = self.manager.save(step, args=args)
         except Exception as e:
             raise self._failed(step, e) from e
+        finally:
+            self._writing = None
         if not saved:
             foreign = [s for s in self.foreign() if s >= step]
             hint = (
@@ -353,18 +363,18 @@ class CheckpointStore:
         ``_CHECKPOINT_METADATA`` marker) or that hold stabljax's ``meta`` item, and the
         save in flight. Another all-digit folder is not a step: it is never read, moved
         or deleted (:meth:`foreign`)."""
-        inflight = self._inflight[0] if self._inflight is not None else None
-        return sorted(s for s in self.manager.all_steps() if s == inflight or self._ours(s))
+        return sorted(s for s in self.manager.all_steps() if self.holds(s))
 
-    def _ours(self, step: int) -> bool:
+    def holds(self, step: int) -> bool:
+        """Whether Orbax's step ``step`` is a checkpoint of this run (:meth:`steps`)."""
+        if step == self._writing or (self._inflight is not None and step == self._inflight[0]):
+            return True
         path = self.directory / str(step)
         return (path / COMMIT_MARKER).is_file() or (path / "meta").is_dir()
 
     def foreign(self) -> list[int]:
         """All-digit folders that are not checkpoints (:meth:`steps`): left in place."""
-        inflight = self._inflight[0] if self._inflight is not None else None
-        steps = self.manager.all_steps()
-        return sorted(s for s in steps if s != inflight and not self._ours(s))
+        return sorted(s for s in self.manager.all_steps() if not self.holds(s))
 
     def warn_foreign(self, *, refuse_if_no_run: bool = False) -> None:
         """Warns once per folder that looks like a step but is not a checkpoint. With
@@ -452,15 +462,10 @@ class CheckpointStore:
     def best(self, steps: Sequence[int]) -> int | None:
         return policy.best_step(steps, self.scores)
 
-    def kept(self) -> list[int]:
-        """The checkpoints retention keeps (:func:`~stabljax.control.policy.kept_steps`)."""
-        steps = self.steps()
-        best = self.best(steps) if self.keeps_best else None
-        return policy.kept_steps(steps, keep=self.keep, best=best, resume_only=self.resume_only)
-
-    def retain(self, kept: Sequence[int] | None = None) -> None:
-        """Deletes every checkpoint not in ``kept`` (default :meth:`kept`); no save in flight."""
-        kept = self.kept() if kept is None else kept
+    def retain(self) -> None:
+        """Applies :attr:`retention` now, between saves (no save in flight): deletes the
+        checkpoints it does not preserve and forgets their scores and marks."""
+        kept = self.retention.kept(self.manager.all_steps())
         surplus = [s for s in self.steps() if s not in kept]
         if surplus:
             self.delete(surplus)
@@ -523,5 +528,6 @@ class CheckpointStore:
                 self._worker.shutdown(wait=True)
                 self._worker = None
             self.manager.close()
+            self._empty_trash()
         finally:
             self._sweeper.join()
