@@ -1,4 +1,4 @@
-"""When a checkpoint is taken and what it holds: health gating, deferral, capture, retention.
+"""When a checkpoint is taken and what it holds: health gating, deferral, capture.
 
 :class:`Saver` decides; :class:`~stabljax.control.store.CheckpointStore` writes, here or
 on its worker thread (``background_save``).
