@@ -325,7 +325,7 @@ class RollbackController:
         previous, self._pending = self._pending, (self._step - 1, metrics)
         # A device copy (the next train step may donate this state), read on the next call,
         # when it is ready: the check costs no wait.
-        self._stepped = (self._step, jax.numpy.array(state.step, copy=True))
+        self._stepped = (self._step, Monitor.snapshot_step(state.step))
         if previous is not None and (restored := self._process(*previous)) is not None:
             return restored, data
         if self._poll:
