@@ -19,9 +19,9 @@ saves committed):
   here, since no other Orbax save runs in the process).
 
 ``ms/save`` is the median time of ``ctl.step`` on a save step minus its median on the other
-steps (what a save puts on the training thread); ``background_save`` beside the trainer's
-own ``CheckpointManager`` is tried once and its outcome recorded (Orbax's operation ids are
-process-global: the two savers can collide).
+steps (what a save puts on the training thread). ``background_save`` beside the trainer's
+own ``CheckpointManager`` is not timed: the two savers share Orbax's process-global
+operation id and can stall each other for minutes (BUILD.md).
 
 **bare** is the controller alone: a loop of ``train_step`` on device batches made up front,
 against the same loop with ``ctl.step`` and ``ctl.finish``, per save mode.
@@ -161,14 +161,6 @@ def run_trainers(cfg: Config) -> tuple[list[dict], dict]:
     warm = dataclasses.replace(tcfg, steps=cfg.save_every + 2)
     for name in VARIANTS:  # Orbax's threads and first-save costs, Grain's workers
         loop(name, warm, [])
-    outcome = "ran"  # background_save beside the trainer's own CheckpointManager
-    VARIANTS["both_background"] = (trainer_after, "background")
-    try:
-        loop("both_background", tcfg, [])
-    except Exception as e:  # noqa: BLE001 - recorded, not raised: the README warns of it
-        outcome = f"failed: {type(e).__name__}: {str(e)[:200]}"
-    finally:
-        del VARIANTS["both_background"]
     samples: dict[str, list[float]] = {k: [] for k in VARIANTS}
     save_ms: dict[str, list[float]] = {k: [] for k, (_, m) in VARIANTS.items() if m}
     step_ms: dict[str, list[float]] = {k: [] for k in save_ms}
@@ -207,7 +199,6 @@ def run_trainers(cfg: Config) -> tuple[list[dict], dict]:
         "save_ms": save_ms,
         "ctl_step_ms": step_ms,
         "ratios": ratios,
-        "background_beside_the_trainers_checkpoint": outcome,
     }
     return rows, results
 
