@@ -18,10 +18,12 @@ saves committed):
   the controller's checkpoint the only one (``background_save=True`` for the last: safe
   here, since no other Orbax save runs in the process).
 
-``ms/save`` is the median time of ``ctl.step`` on a save step minus its median on the other
-steps (what a save puts on the training thread). ``background_save`` beside the trainer's
-own ``CheckpointManager`` is not timed: the two savers share Orbax's process-global
-operation id and can stall each other for minutes (BUILD.md).
+A ratio is the median over rounds of a loop's time over ``without``'s in the same round
+(the machine's load drifts between rounds). ``ms/save`` is the median time of ``ctl.step``
+on a save step minus its median on the other steps (what a save puts on the training
+thread). ``background_save`` beside the trainer's own ``CheckpointManager`` is not timed:
+the two savers share Orbax's process-global operation id and can stall each other for
+minutes (BUILD.md).
 
 **bare** is the controller alone: a loop of ``train_step`` on device batches made up front,
 against the same loop with ``ctl.step`` and ``ctl.finish``, per save mode.
@@ -119,6 +121,21 @@ def _controller(mode: str, save_every: int, calls: list[tuple[int, float]]) -> t
     return Timed
 
 
+def _rows(section: str, med: dict, save_ms: dict, step_ms: dict, steps: int) -> list[dict]:
+    """The table's rows: each loop's median time, and its save and step costs in ms."""
+    median = lambda v: statistics.median(v) if v else ""
+    return [
+        {
+            "loop": f"{section}: {k}",
+            "s/loop": v,
+            "ms/step": 1e3 * v / steps,
+            "ms/save (ctl.step on a save step - other steps)": median(save_ms.get(k)),
+            "ms/ctl.step (other steps)": median(step_ms.get(k)),
+        }
+        for k, v in med.items()
+    ]
+
+
 def run_trainers(cfg: Config) -> tuple[list[dict], dict]:
     tcfg = trainer_after.Config(steps=cfg.steps, save_every=cfg.save_every)
     n = tcfg.seq_len + 1
@@ -175,24 +192,15 @@ def run_trainers(cfg: Config) -> tuple[list[dict], dict]:
                 save_ms[name].append(1e3 * (statistics.median(due) - statistics.median(other)))
                 step_ms[name].append(1e3 * statistics.median(other))
     med = {k: statistics.median(v) for k, v in samples.items()}
-    rows = [
-        {
-            "loop": f"trainer: {k}",
-            "s/loop": v,
-            "ms/step": 1e3 * v / (cfg.steps - 1),
-            "ms/save (ctl.step on a save step - other steps)": (
-                statistics.median(save_ms[k]) if save_ms.get(k) else ""
-            ),
-            "ms/ctl.step (other steps)": statistics.median(step_ms[k]) if step_ms.get(k) else "",
-        }
-        for k, v in med.items()
-    ]
-    ratios = {
-        f"trainer_{k}/without": med[k] / med["without"]
-        for k in VARIANTS
-        if k not in ("without", "before")
-    }
-    ratios["trainer_without/before"] = med["without"] / med["before"]
+    rows = _rows("trainer", med, save_ms, step_ms, cfg.steps - 1)
+
+    # Each loop against the baseline of its own round (the load drifts between rounds).
+    def paired(k: str, base: str) -> float:
+        return statistics.median(a / b for a, b in zip(samples[k], samples[base], strict=True))
+
+    with_ctl = [k for k, (_, mode) in VARIANTS.items() if mode is not None]
+    ratios = {f"trainer_{k}/without": paired(k, "without") for k in with_ctl}
+    ratios["trainer_without/before"] = paired("without", "before")
     results = {
         "seconds": med,
         "samples": samples,
@@ -281,18 +289,7 @@ def run_bare(cfg: Config) -> tuple[list[dict], dict]:
         for mode in MODES:
             samples[mode].append(controlled(mode))
     med = {k: statistics.median(v) for k, v in samples.items()}
-    rows = [
-        {
-            "loop": f"bare: {k}",
-            "s/loop": v,
-            "ms/step": 1e3 * v / cfg.steps,
-            "ms/save (ctl.step on a save step - other steps)": (
-                statistics.median(save_ms[k]) if save_ms.get(k) else ""
-            ),
-            "ms/ctl.step (other steps)": statistics.median(step_ms[k]) if step_ms.get(k) else "",
-        }
-        for k, v in med.items()
-    ]
+    rows = _rows("bare", med, save_ms, step_ms, cfg.steps)
     ratios = {f"bare_loop_{m}/bare": med[m] / med["bare"] for m in MODES}
     results = {
         "seconds": med,
