@@ -21,6 +21,7 @@ import pytest
 import stabljax
 from examples import trainer_after as adopt_after
 from examples import trainer_before as adopt_before
+from examples import trainer_handover as adopt_handover
 from stabljax.control import read_events
 from stabljax.reference import default_corpus
 
@@ -51,11 +52,21 @@ def make_docs(cfg, n_batches, *, nan_batch=None, garbage=()):
     return docs, held_out
 
 
-def readme_diff() -> str:
+def readme_diff(name: str = "adoption") -> str:
     text = README.read_text()
-    m = re.search(r"<!-- recipe: adoption -->\n```diff\n(.*?)```", text, re.S)
-    assert m, "README.md has no '<!-- recipe: adoption -->' diff block"
+    m = re.search(rf"<!-- recipe: {name} -->\n```diff\n(.*?)```", text, re.S)
+    assert m, f"README.md has no '<!-- recipe: {name} -->' diff block"
     return m.group(1)
+
+
+def handover_diff() -> str:
+    """trainer_before.py -> trainer_handover.py, less the module docstring's hunk."""
+    before = (HERE / "trainer_before.py").read_text().splitlines(keepends=True)
+    after = (HERE / "trainer_handover.py").read_text().splitlines(keepends=True)
+    diff = "".join(difflib.unified_diff(before, after, "trainer.py", "trainer.py", n=1))
+    head, *hunks = re.split(r"(?m)^(?=@@ )", diff)
+    assert hunks[0].startswith("@@ -1,"), hunks[0]  # the docstring
+    return head + "".join(hunks[1:])
 
 
 def test_readme_recipe_is_the_diff_of_the_two_trainers_in_at_most_15_lines():
@@ -84,6 +95,29 @@ def test_adopted_trainer_keeps_its_own_checkpoint_beside_the_controller(tmp_path
     assert "restore" in events
     # gradient_step read the optax way through the guards: 2 micro-batches per update.
     assert int(optax.tree.get(state2.opt_state, "gradient_step")) == 20
+
+
+def test_readme_handover_recipe_is_the_diff_of_the_two_trainers():
+    diff = handover_diff()
+    assert readme_diff("handover") == diff
+    assert "ocp." not in "".join(ln for ln in diff.splitlines(True) if ln[:1] in " +")
+
+
+def test_handover_trainer_checkpoints_through_the_controller_and_resumes_exactly(tmp_path):
+    """With its own CheckpointManager handed over, the trainer's only checkpoint is the
+    controller's: a run stopped at step 50 and started again ends where an uninterrupted
+    run does (train state and Grain iterator restored by ``restore_or_init``)."""
+    cfg = adopt_handover.Config(steps=100, save_every=50)
+    docs, held_out = make_docs(cfg, 120)
+    _, ref_eval, ref_log = adopt_handover.train(cfg, docs, held_out, tmp_path / "ref")
+    half = adopt_handover.Config(steps=50, save_every=50)
+    adopt_handover.train(half, docs, held_out, tmp_path / "run")
+    assert sorted(p.name for p in (tmp_path / "run").iterdir()) == ["ctl"]
+    state, eval2, log = adopt_handover.train(cfg, docs, held_out, tmp_path / "run")
+    assert int(state.step) == 100 and log == ref_log[1:]
+    np.testing.assert_allclose(eval2, ref_eval, rtol=1e-6)
+    events = read_events(tmp_path / "run" / "ctl" / "events.jsonl")
+    assert [e.step for e in events if e.kind == "restore"] == [50]
 
 
 def test_the_original_trainer_runs_unchanged(tmp_path):

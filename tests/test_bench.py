@@ -46,7 +46,15 @@ RATIOS = {
         "spike_5x_caught_lognormal",
     ),
     "triage": ("triage/plain_large", "triage/plain_small"),
-    "adoption": ("loop_time_sync/bare", "loop_time_async/bare", "loop_time_background/bare"),
+    "adoption": (
+        "trainer_without/before",
+        "trainer_both_async/without",
+        "trainer_both_sync/without",
+        "trainer_handover_async/without",
+        "trainer_handover_sync/without",
+        "trainer_handover_background/without",
+        "bare_loop_async/bare",
+    ),
     "guard_streams": (
         "stabljax_bad_max",
         "stabljax_nan_seeds_max",

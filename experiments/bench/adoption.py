@@ -1,19 +1,34 @@
 """Benchmark: the controller's cost inside someone else's small trainer, and ms per save.
 
-The adopted trainer of README's recipe (``examples/trainer_after.py``: a 2-layer linen LM,
-``optax.MultiSteps`` under the guards, a Grain ``DataLoader``) runs ``steps`` steps in a
-bare loop (``state, metrics = train_step(state, next(data))``) and in loops that also call
-``ctl.step`` with a save every ``save_every`` steps and ``ctl.finish`` at the end, one per
-save mode: ``sync`` (``async_save=False``: the loop waits for the whole write),
-``async`` (the default: Orbax copies to host, then writes in its own thread) and
-``background`` (``background_save=True``: the loop dispatches a device copy, a worker
-thread does the rest). Rounds alternate bare / sync / async / background; each loop is
-timed from its first step until ``finish`` returned (the last save committed), and the
-ratios are of the median loop times. ``ms/save`` is the median time of ``ctl.step`` on a
-save step minus its median on the other steps; with ``--profile`` a cProfile of the
-save steps of one async loop says where that time goes.
+Two sections, rounds interleaved in one process.
 
-    python -m experiments.bench.adoption [--quick] [--steps 400 --save-every 100]
+**trainer** runs the example trainers' own ``train`` loops (``examples/``: a 2-layer linen
+LM, ``optax.MultiSteps``, a Grain ``DataLoader``, the trainer's own Orbax
+``CheckpointManager`` asked to save every step and saving every ``save_every``), each
+timed from the end of its first step (compilation excluded) to its evaluation (the last
+saves committed):
+
+- ``before``: ``trainer_before.py`` as its authors wrote it;
+- ``without``: ``trainer_after.py`` with the controller replaced by a pass-through (guards
+  and z-loss only): the baseline of the controller's cost;
+- ``both_async`` / ``both_sync``: ``trainer_after.py`` as README's recipe has it, the
+  trainer's checkpoint and the controller's (saving every ``save_every``) beside each other,
+  with ``async_save`` True / False;
+- ``handover_async`` / ``handover_sync`` / ``handover_background``: ``trainer_handover.py``,
+  the controller's checkpoint the only one (``background_save=True`` for the last: safe
+  here, since no other Orbax save runs in the process).
+
+A ratio is the median over rounds of a loop's time over ``without``'s in the same round
+(the machine's load drifts between rounds). ``ms/save`` is the median time of ``ctl.step``
+on a save step minus its median on the other steps (what a save puts on the training
+thread). ``background_save`` beside the trainer's own ``CheckpointManager`` is not timed:
+the two savers share Orbax's process-global operation id and can stall each other for
+minutes (BUILD.md).
+
+**bare** is the controller alone: a loop of ``train_step`` on device batches made up front,
+against the same loop with ``ctl.step`` and ``ctl.finish``, per save mode.
+
+    python -m experiments.bench.adoption [--quick] [--steps 400 --save-every 100 --rounds 5]
 """
 
 from __future__ import annotations
@@ -21,25 +36,37 @@ from __future__ import annotations
 import cProfile
 import dataclasses
 import io
+import pathlib
 import pstats
 import shutil
 import statistics
 import tempfile
 import time
+from unittest import mock
 
 import jax
 import numpy as np
 
 import stabljax
+from examples import trainer_after, trainer_before, trainer_handover
 from examples import trainer_after as trainer
 from experiments import cli
 from stabljax.reference import default_corpus
 
-TARGETS = {"loop_time_async/bare": 1.05}
+TARGETS = {"trainer_handover_async/without": 1.05}
 MODES = {
     "sync": dict(async_save=False),
     "async": dict(async_save=True),
     "background": dict(background_save=True),
+}
+VARIANTS = {  # name: (trainer module, the controller's save mode or None: no controller)
+    "before": (trainer_before, None),
+    "without": (trainer_after, None),
+    "both_async": (trainer_after, "async"),
+    "both_sync": (trainer_after, "sync"),
+    "handover_async": (trainer_handover, "async"),
+    "handover_sync": (trainer_handover, "sync"),
+    "handover_background": (trainer_handover, "background"),
 }
 
 
@@ -55,7 +82,136 @@ class Config:
         return cls(steps=20, save_every=10, rounds=1)
 
 
-def run(cfg: Config) -> tuple[list[dict], dict]:
+class _NoController:
+    """Stands in for ``stabljax.RollbackController``: the loop without the controller."""
+
+    def __init__(self, *args, **kwargs):
+        pass
+
+    def restore_or_init(self, state, data):
+        return state, data
+
+    step = finish = lambda self, state, *rest: (state, rest[-1])
+
+    def close(self):
+        pass
+
+
+def _controller(mode: str, save_every: int, calls: list[tuple[int, float]]) -> type:
+    """``RollbackController`` saving every ``save_every`` in ``mode``, timing each ``step``."""
+
+    class Timed(stabljax.RollbackController):
+        def __init__(self, *args, **kwargs):
+            super().__init__(
+                *args,
+                **{
+                    **kwargs,
+                    "save_every": save_every,
+                    "rollback_margin": save_every,
+                    **MODES[mode],
+                },
+            )
+
+        def step(self, state, metrics, data):
+            t = time.perf_counter()
+            out = super().step(state, metrics, data)
+            calls.append((self.current_step, time.perf_counter() - t))
+            return out
+
+    return Timed
+
+
+def _rows(section: str, med: dict, save_ms: dict, step_ms: dict, steps: int) -> list[dict]:
+    """The table's rows: each loop's median time, and its save and step costs in ms."""
+    median = lambda v: statistics.median(v) if v else ""
+    return [
+        {
+            "loop": f"{section}: {k}",
+            "s/loop": v,
+            "ms/step": 1e3 * v / steps,
+            "ms/save (ctl.step on a save step - other steps)": median(save_ms.get(k)),
+            "ms/ctl.step (other steps)": median(step_ms.get(k)),
+        }
+        for k, v in med.items()
+    ]
+
+
+def run_trainers(cfg: Config) -> tuple[list[dict], dict]:
+    tcfg = trainer_after.Config(steps=cfg.steps, save_every=cfg.save_every)
+    n = tcfg.seq_len + 1
+    corpus = np.asarray(default_corpus(n * tcfg.batch_size * (cfg.steps + 2)))
+    docs = [(corpus[i * n : (i + 1) * n].tobytes(), 1.0) for i in range(len(corpus) // n)]
+    held_out = docs[-tcfg.batch_size :]
+
+    def loop(name: str, tc, calls: list) -> float:
+        module, mode = VARIANTS[name]
+        marks: list[float] = []
+        evaluate = module.eval_loss
+
+        def on_step(state, metrics):
+            if not marks:
+                marks.append(time.perf_counter())
+
+        def eval_loss(*args):
+            if len(marks) == 1:
+                marks.append(time.perf_counter())
+            return evaluate(*args)
+
+        ctl = _NoController if mode is None else _controller(mode, tc.save_every, calls)
+        workdir = tempfile.mkdtemp(prefix="stabljax-bench-trainer-")
+        try:
+            with (
+                mock.patch.object(stabljax, "RollbackController", ctl),
+                mock.patch.object(module, "eval_loss", eval_loss),
+            ):
+                module.train(
+                    module.Config(**dataclasses.asdict(tc)),
+                    docs,
+                    held_out,
+                    pathlib.Path(workdir),
+                    on_step,
+                )
+        finally:
+            shutil.rmtree(workdir, ignore_errors=True)
+        return marks[1] - marks[0]
+
+    warm = dataclasses.replace(tcfg, steps=cfg.save_every + 2)
+    for name in VARIANTS:  # Orbax's threads and first-save costs, Grain's workers
+        loop(name, warm, [])
+    samples: dict[str, list[float]] = {k: [] for k in VARIANTS}
+    save_ms: dict[str, list[float]] = {k: [] for k, (_, m) in VARIANTS.items() if m}
+    step_ms: dict[str, list[float]] = {k: [] for k in save_ms}
+    names = list(VARIANTS)
+    for r in range(cfg.rounds):
+        for name in names[r % len(names) :] + names[: r % len(names)]:  # rotate the order
+            calls: list[tuple[int, float]] = []
+            samples[name].append(loop(name, tcfg, calls))
+            if calls:
+                due = [t for k, t in calls if k % cfg.save_every == 0]
+                other = [t for k, t in calls if k % cfg.save_every]
+                save_ms[name].append(1e3 * (statistics.median(due) - statistics.median(other)))
+                step_ms[name].append(1e3 * statistics.median(other))
+    med = {k: statistics.median(v) for k, v in samples.items()}
+    rows = _rows("trainer", med, save_ms, step_ms, cfg.steps - 1)
+
+    # Each loop against the baseline of its own round (the load drifts between rounds).
+    def paired(k: str, base: str) -> float:
+        return statistics.median(a / b for a, b in zip(samples[k], samples[base], strict=True))
+
+    with_ctl = [k for k, (_, mode) in VARIANTS.items() if mode is not None]
+    ratios = {f"trainer_{k}/without": paired(k, "without") for k in with_ctl}
+    ratios["trainer_without/before"] = paired("without", "before")
+    results = {
+        "seconds": med,
+        "samples": samples,
+        "save_ms": save_ms,
+        "ctl_step_ms": step_ms,
+        "ratios": ratios,
+    }
+    return rows, results
+
+
+def run_bare(cfg: Config) -> tuple[list[dict], dict]:
     tcfg = trainer.Config(steps=cfg.steps)
     n = tcfg.seq_len + 1
     corpus = np.asarray(default_corpus(n * tcfg.batch_size * (cfg.steps + 1)))
@@ -133,19 +289,8 @@ def run(cfg: Config) -> tuple[list[dict], dict]:
         for mode in MODES:
             samples[mode].append(controlled(mode))
     med = {k: statistics.median(v) for k, v in samples.items()}
-    rows = [
-        {
-            "loop": k,
-            "s/loop": v,
-            "ms/step": 1e3 * v / cfg.steps,
-            "ms/save (ctl.step on a save step - other steps)": (
-                statistics.median(save_ms[k]) if save_ms.get(k) else ""
-            ),
-            "ms/ctl.step (other steps)": statistics.median(step_ms[k]) if step_ms.get(k) else "",
-        }
-        for k, v in med.items()
-    ]
-    ratios = {f"loop_time_{m}/bare": med[m] / med["bare"] for m in MODES}
+    rows = _rows("bare", med, save_ms, step_ms, cfg.steps)
+    ratios = {f"bare_loop_{m}/bare": med[m] / med["bare"] for m in MODES}
     results = {
         "seconds": med,
         "samples": samples,
@@ -168,9 +313,20 @@ def run(cfg: Config) -> tuple[list[dict], dict]:
 def main(argv=None) -> dict:
     ex = cli.start(Config, argv, __doc__, name="bench.adoption")
     cfg = ex.cfg
-    rows, results = run(cfg)
+    rows, results = run_trainers(cfg)
+    bare_rows, bare = run_bare(cfg)
+    results = {
+        "trainer": results,
+        "bare": bare,
+        "seconds": {**results["seconds"], **{f"bare_{k}": v for k, v in bare["seconds"].items()}},
+        "save_ms": {**results["save_ms"], **{f"bare_{k}": v for k, v in bare["save_ms"].items()}},
+        "ratios": {**results["ratios"], **bare["ratios"]},
+        "targets": TARGETS,
+        "n_params": bare["n_params"],
+        "saves_per_loop": cfg.steps // cfg.save_every,
+    }
     title = f"Controller in the adopted trainer, {cfg.steps} steps, a save every {cfg.save_every}"
-    return ex.report(rows, results, targets=TARGETS, title=title)
+    return ex.report([*rows, *bare_rows], results, targets=TARGETS, title=title)
 
 
 if __name__ == "__main__":

@@ -90,8 +90,8 @@ class RollbackController:
         ``None``: unlimited. Every integer argument must be an ``int`` (not a bool, a
         float, NaN or inf) in its range, else a ``ValueError`` naming it.
       async_save: Orbax writes in the background (the host copy is made in :meth:`step`).
-      background_save: one process only: a worker thread copies and writes an on-device
-        copy of the state; its error is raised by the next call that waits for it.
+      background_save: a worker thread writes an on-device copy; one process, no other Orbax
+        saves in it (Orbax's operation ids are global). Errors raise at the next wait.
       verify: ``True``: fingerprint the state (accidents); ``"digest"``: a SHA-256 per leaf
         too (any edit); an HMAC with ``STABLJAX_CHECKPOINT_KEY`` set. Checked on restore.
       preemption_signals: "save at the next step boundary and stop" (SIGTERM; add SIGINT
@@ -325,7 +325,7 @@ class RollbackController:
         previous, self._pending = self._pending, (self._step - 1, metrics)
         # A device copy (the next train step may donate this state), read on the next call,
         # when it is ready: the check costs no wait.
-        self._stepped = (self._step, jax.numpy.array(state.step, copy=True))
+        self._stepped = (self._step, Monitor.snapshot_step(state.step))
         if previous is not None and (restored := self._process(*previous)) is not None:
             return restored, data
         if self._poll:

@@ -16,9 +16,10 @@ A detector only reports; whether a detection rolls back is its ``action``
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
 import math
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
@@ -160,13 +161,37 @@ def one_of(*choices: str):
 _MAD_TO_STD = 1.482602218505602
 
 
-def _median(a: np.ndarray) -> float:
-    """``np.median`` of a 1-D array by partial sort (no full sort: it runs every step)."""
-    k = a.size // 2
-    if a.size % 2:
-        return float(np.partition(a, k)[k])
-    b = np.partition(a, (k - 1, k))
-    return float((b[k - 1] + b[k]) / 2)
+def _median(s: Sequence[float]) -> float:
+    """The median of a sorted sequence, as ``np.median`` computes it in float64."""
+    k = len(s) // 2
+    return float(s[k]) if len(s) % 2 else (s[k - 1] + s[k]) / 2
+
+
+def _mad(s: Sequence[float], m: float) -> float:
+    """The median of ``|s - m|`` for a sorted ``s`` and its median ``m``, in O(log n).
+
+    The deviations are two sorted runs: ``m - s[p - 1 - t]`` below the median and
+    ``s[p + t] - m`` from it on; each order statistic is found by bisecting how many of
+    the first run it takes (``a - b == -(b - a)`` in floating point, so the values are
+    bitwise those of ``np.abs(s - m)``).
+    """
+    n, p = len(s), bisect.bisect_left(s, m)
+    low, high = p, n - p
+
+    def kth(k: int) -> float:  # the k-th smallest deviation, 0-based
+        lo, hi = max(0, k + 1 - high), min(k + 1, low)
+        while lo < hi:
+            i = (lo + hi) // 2
+            if m - s[p - 1 - i] < s[p + k - i] - m:
+                lo = i + 1
+            else:
+                hi = i
+        j = k + 1 - lo
+        below = m - s[p - lo] if lo else -math.inf
+        return max(below, s[p + j - 1] - m if j else -math.inf)
+
+    k = n // 2
+    return kth(k) if n % 2 else (kth(k - 1) + kth(k)) / 2
 
 
 class SpikeDetector(WatchesMetric):
@@ -313,17 +338,18 @@ class SpikeDetector(WatchesMetric):
         return self._onset
 
     def _stats(self) -> tuple[float, float]:
-        if not self._values:
+        if not self._sorted:
             return 0.0, 0.0
-        v = np.asarray(self._values, np.float64)
-        m = _median(v)
-        return m, _MAD_TO_STD * _median(np.abs(v - m))
+        m = _median(self._sorted)
+        return m, _MAD_TO_STD * _mad(self._sorted, m)
 
     def _accept(self, x: float) -> None:
         self._n += 1
         self._values.append(x)
+        bisect.insort(self._sorted, x)
         if len(self._values) > self.window:
-            del self._values[0]
+            old = self._values.pop(0)
+            del self._sorted[bisect.bisect_left(self._sorted, old)]
 
     def _remember(self, x: float) -> None:
         if self._keep:
@@ -339,7 +365,7 @@ class SpikeDetector(WatchesMetric):
         for k, c in self.sustained:
             if len(self._recent) < k:
                 continue
-            excess = _median(np.asarray(self._recent[-k:], np.float64)) - median
+            excess = _median(sorted(self._recent[-k:])) - median
             need = max(c * scale, floor)
             if excess > need:
                 return excess, need, f"sustained {k}"
@@ -420,6 +446,7 @@ class SpikeDetector(WatchesMetric):
     def set_state(self, state: Mapping[str, Any]) -> None:
         self._n = int(state.get("n", 0))
         self._values = [float(v) for v in state.get("values", [])][-self.window :]
+        self._sorted = sorted(self._values)  # the window, sorted: median and MAD in O(log n)
         keep = self._keep
         self._recent = [float(v) for v in state.get("recent", [])][-keep:] if keep else []
         self._onset = state.get("onset")
