@@ -49,7 +49,6 @@ import numpy as np
 
 import stabljax
 from examples import trainer_after, trainer_before, trainer_handover
-from examples import trainer_after as trainer
 from experiments import cli
 from stabljax.reference import default_corpus
 
@@ -212,27 +211,27 @@ def run_trainers(cfg: Config) -> tuple[list[dict], dict]:
 
 
 def run_bare(cfg: Config) -> tuple[list[dict], dict]:
-    tcfg = trainer.Config(steps=cfg.steps)
+    tcfg = trainer_after.Config(steps=cfg.steps)
     n = tcfg.seq_len + 1
     corpus = np.asarray(default_corpus(n * tcfg.batch_size * (cfg.steps + 1)))
     docs = [(corpus[i * n : (i + 1) * n].tobytes(), 1.0) for i in range(len(corpus) // n)]
-    model = trainer.LM(tcfg)
+    model = trainer_after.LM(tcfg)
     params = model.init(jax.random.key(0), np.zeros((1, tcfg.seq_len), np.int32))["params"]
     tx = stabljax.skip_nonfinite(
-        stabljax.skip_spikes(trainer.optax.MultiSteps(trainer.optax.adamw(tcfg.lr), 2))
+        stabljax.skip_spikes(trainer_after.optax.MultiSteps(trainer_after.optax.adamw(tcfg.lr), 2))
     )
 
     def fresh():
-        return trainer.train_state.TrainState.create(
+        return trainer_after.train_state.TrainState.create(
             apply_fn=model.apply, params=jax.tree.map(np.copy, params), tx=tx
         )
 
     def batches():  # device batches made up front: the loop measures the loop only
-        it = iter(trainer.make_loader(docs, tcfg))
+        it = iter(trainer_after.make_loader(docs, tcfg))
         return [jax.device_put(next(it)) for _ in range(cfg.steps)]
 
     data_cache = batches()
-    s, m = trainer.train_step(fresh(), data_cache[0])  # compile outside the timing
+    s, m = trainer_after.train_step(fresh(), data_cache[0])  # compile outside the timing
     jax.block_until_ready(m)
 
     def bare() -> float:
@@ -240,7 +239,7 @@ def run_bare(cfg: Config) -> tuple[list[dict], dict]:
         jax.block_until_ready(state)
         t0 = time.perf_counter()
         for b in data_cache:
-            state, metrics = trainer.train_step(state, b)
+            state, metrics = trainer_after.train_step(state, b)
         jax.block_until_ready((state, metrics))
         return time.perf_counter() - t0
 
@@ -259,7 +258,7 @@ def run_bare(cfg: Config) -> tuple[list[dict], dict]:
             on_save, other = [], []
             t0 = time.perf_counter()
             while ctl.current_step < cfg.steps:
-                state, metrics = trainer.train_step(state, next(data))
+                state, metrics = trainer_after.train_step(state, next(data))
                 due = (ctl.current_step + 1) % cfg.save_every == 0
                 if profiler is not None and due:
                     profiler.enable()
