@@ -140,6 +140,10 @@ def test_no_old_path_alias():
 def test_the_old_paths_are_gone():
     import importlib
 
-    for old in ("checkpoints", "detect", "lifecycle", "recovery", "writers", "saving"):
+    older = ("checkpoints", "lifecycle", "recovery", "writers", "saving")
+    flat = ("detectors", "drift", "trends", "monitor", "store", "saver", "retention", "integrity")
+    flat += ("items", "jsonio", "fsutil", "grain_state", "policy", "remedies", "triage", "rollback")
+    flat += ("attribution", "screen")
+    for old in older + flat:
         with pytest.raises(ModuleNotFoundError):
             importlib.import_module(f"stabljax.control.{old}")

@@ -7,7 +7,7 @@ import math
 import pytest
 
 from stabljax import metrics as keys
-from stabljax.control import attribution as at
+from stabljax.control.diagnose import attribution as at
 
 
 def _base(n=8, **fixed):
@@ -127,8 +127,8 @@ def test_the_optimizers_named_in_remedies_exist():
     import re
 
     import stabljax
-    from stabljax.control.attribution import REMEDY
-    from stabljax.control.policy import ADVICE
+    from stabljax.control.decide.policy import ADVICE
+    from stabljax.control.diagnose.attribution import REMEDY
 
     names = set()
     for text in [ADVICE, *REMEDY.values()]:

@@ -48,7 +48,7 @@ from stabljax.control import (
     TrainingDiverged,
     read_events,
 )
-from stabljax.control.data import first_allowed
+from stabljax.control.decide.policy import first_allowed
 from stabljax.optim.guards import skip_nonfinite, skip_spikes
 
 STATE0, STEP = toy_problem()
@@ -787,6 +787,6 @@ def test_a_rollback_crosses_at_most_five_modules_and_passes_no_callback(tmp_path
     hooks = ["triage"] if triage else []
     for modules, callbacks in rollbacks:
         modules = sorted(m.rpartition(".")[2] for m in modules - {"stabljax.control.events"})
-        assert modules == sorted(["controller", "data", "monitor", "policy", "store", *hooks])
+        assert modules == sorted(["controller", "iterators", "monitor", "policy", "store", *hooks])
         assert callbacks == []
     assert len(inspect.signature(RollbackController._rollback).parameters) <= 5

@@ -9,7 +9,7 @@ import grain
 import numpy as np
 import pytest
 
-from stabljax.control.data import (
+from stabljax.control.data.iterators import (
     GrainDatasetIterator,
     GrainLoaderIterator,
     IndexedBatches,

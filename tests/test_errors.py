@@ -11,7 +11,7 @@ import signal
 import numpy as np
 import pytest
 
-from stabljax.control.data import as_data_iterator
+from stabljax.control.data.iterators import as_data_iterator
 from stabljax.control.errors import (
     CheckpointMismatch,
     CheckpointSaveError,

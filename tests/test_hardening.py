@@ -33,9 +33,9 @@ from stabljax.control import (
     RollbackController,
     read_events,
 )
-from stabljax.control.fsutil import UnsafePathError, atomic_write_text, refuse_symlinks
-from stabljax.control.integrity import meta_digest
-from stabljax.control.jsonio import (
+from stabljax.control.checkpoint.fsutil import UnsafePathError, atomic_write_text, refuse_symlinks
+from stabljax.control.checkpoint.integrity import meta_digest
+from stabljax.control.checkpoint.jsonio import (
     MalformedJSONError,
     MalformedLineWarning,
     loads_strict,

@@ -21,7 +21,7 @@ from stabljax.control import (
     RollbackController,
     read_events,
 )
-from stabljax.control.monitor import Monitor
+from stabljax.control.detect.monitor import Monitor
 from stabljax.optim.guards import skip_nonfinite, skip_spikes
 from stabljax.report import page
 from stabljax.step import TrainState

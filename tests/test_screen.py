@@ -1,4 +1,4 @@
-"""stabljax.control.screen: screening the batches ahead of a restored position."""
+"""stabljax.control.diagnose.screen: screening the batches ahead of a restored position."""
 
 from __future__ import annotations
 
@@ -11,8 +11,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from stabljax.control.data import GrainDatasetIterator, IndexedBatches, PlainIterator
-from stabljax.control.screen import can_screen, screen_ahead
+from stabljax.control.data.iterators import GrainDatasetIterator, IndexedBatches, PlainIterator
+from stabljax.control.diagnose.screen import can_screen, screen_ahead
 
 BAD = range(10, 16)
 
@@ -106,8 +106,8 @@ def test_what_cannot_be_screened_and_bad_arguments():
 
 
 def test_extending_a_plan_extends_its_skip_ledger_and_entry():
-    from stabljax.control.detectors import Detection
-    from stabljax.control.policy import Ledger, RollbackSettings, Skip, Target, plan_rollback
+    from stabljax.control.decide.policy import Ledger, RollbackSettings, Skip, Target, plan_rollback
+    from stabljax.control.detect.detectors import Detection
 
     spike = Detection("spike", 36, 35, "rollback", "loss 9 > 5", 9.0)
     plan = plan_rollback([spike], Ledger(), Target(20, 20, True), 37, RollbackSettings(10, 0, 30))

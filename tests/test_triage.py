@@ -28,8 +28,8 @@ from stabljax.control import (
     TriageConfig,
     read_events,
 )
-from stabljax.control.data import GrainDatasetIterator
-from stabljax.control.triage import is_spike, robust_spikes, window_indices
+from stabljax.control.data.iterators import GrainDatasetIterator
+from stabljax.control.diagnose.triage import is_spike, robust_spikes, window_indices
 
 WORKER = pathlib.Path(__file__).with_name("triage_worker.py")
 ROOT = pathlib.Path(__file__).parent.parent

@@ -46,7 +46,7 @@ import numpy as np
 import stabljax
 from experiments import cli
 from experiments.common import RESULTS, progress_bar
-from stabljax.control.detectors import mann_kendall, sen_slope
+from stabljax.control.detect.trends import mann_kendall, sen_slope
 
 TARGETS = {
     "slow_alarms_per_1e5_phi0.9": 0.0,

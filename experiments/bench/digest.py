@@ -32,8 +32,8 @@ import jax
 import stabljax
 from experiments import cli
 from experiments.proxy import QUICK_SIZE, BenchSize, adamw, build_model
-from stabljax.control.integrity import ENV_KEY, fingerprint, leaf_digests
-from stabljax.control.store import to_host
+from stabljax.control.checkpoint.integrity import ENV_KEY, fingerprint, leaf_digests
+from stabljax.control.checkpoint.store import to_host
 
 TARGETS = {"save_digest/fingerprint": 1.05, "restore_digest/fingerprint": 1.05}
 SETTINGS = {"fingerprint": (True, None), "digest": ("digest", None), "hmac": ("digest", "k")}

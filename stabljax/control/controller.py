@@ -1,9 +1,9 @@
 """The rollback controller: PaLM's remedy for loss spikes, made automatic.
 
 :class:`RollbackController` is the public face and the order of things; the parts are
-:mod:`~stabljax.control.store` (checkpoints), :mod:`~stabljax.control.rollback` (resume,
-roll back, the data position), :mod:`~stabljax.control.policy` (pure decisions) and
-:mod:`~stabljax.control.monitor` (detectors). Here too is the controller's life in an
+:mod:`~stabljax.control.checkpoint.store` (checkpoints), :mod:`~stabljax.control.resume` (resume,
+roll back, the data position), :mod:`~stabljax.control.decide.policy` (pure decisions) and
+:mod:`~stabljax.control.detect.monitor` (detectors). Here too is the controller's life in an
 operator's world (the directory lock, preemption, the run loop) is
 :mod:`~stabljax.control.session`.
 
@@ -25,22 +25,21 @@ from typing import Any
 import jax
 import orbax.checkpoint as ocp
 
-from stabljax.control import policy
-from stabljax.control import rollback as rb
-from stabljax.control import store as ck
-from stabljax.control import triage as tr
-from stabljax.control.data import DataIterator, as_data_iterator
-from stabljax.control.detectors import Detection, Detector
-from stabljax.control.drift import default_detectors
+from stabljax.control import resume
+from stabljax.control.checkpoint.integrity import check_verify, jsonable, state_bytes
+from stabljax.control.checkpoint.saver import Saver
+from stabljax.control.checkpoint.store import CheckpointStore, is_primary, to_host
+from stabljax.control.data.iterators import DataIterator, as_data_iterator
+from stabljax.control.decide import policy
+from stabljax.control.decide.policy import Ledger
+from stabljax.control.decide.remedies import RollbackInfo, check_remedy, describe, remedy_event
+from stabljax.control.detect.detectors import Detection, Detector
+from stabljax.control.detect.drift import default_detectors
+from stabljax.control.detect.monitor import Monitor
+from stabljax.control.diagnose.screen import SCREENED, extend_over_window
+from stabljax.control.diagnose.triage import TriageConfig, as_config, for_rollback
 from stabljax.control.errors import DataExhausted, Preempted
-from stabljax.control.errors import warn as warn
 from stabljax.control.events import Event, EventLog
-from stabljax.control.integrity import check_verify, jsonable, state_bytes
-from stabljax.control.monitor import Monitor
-from stabljax.control.policy import Ledger
-from stabljax.control.remedies import RollbackInfo, check_remedy, describe, remedy_event
-from stabljax.control.saver import Saver
-from stabljax.control.screen import SCREENED, extend_over_window
 from stabljax.control.session import (
     DirectoryLock,
     PreemptionWatch,
@@ -84,7 +83,7 @@ class RollbackController:
       rollback_margin: the target is at least this many steps before the onset (less than
         ``save_every * keep``, else ``ValueError``).
       extra_skip: batches skipped beyond the last one fed before the rollback.
-      detectors: default :func:`~stabljax.control.drift.default_detectors`. Action
+      detectors: default :func:`~stabljax.control.detect.drift.default_detectors`. Action
         ``"raise"`` raises :class:`TrainingDiverged`; an unknown action is a ``ValueError``.
       max_rollbacks: rollbacks allowed; the next one raises :class:`TrainingDiverged`.
         ``None``: unlimited. Every integer argument must be an ``int`` (not a bool, a
@@ -98,21 +97,21 @@ class RollbackController:
         for Ctrl-C); JAX's sync point decides on several processes.
       data_config: JSON-able batch size, sequence length, corpus...; default the data's
         ``config``. A resume with another one is a ``CheckpointMismatch``.
-      triage: ``True`` or a :class:`~stabljax.control.triage.TriageConfig`: after each
+      triage: ``True`` or a :class:`~stabljax.control.diagnose.triage.TriageConfig`: after each
         rollback under :meth:`run`, replay the window on copies of the state and log a
         ``triage`` event (verdict ``data``/``state``/``nondeterministic``, evidence,
         culprits, attribution). Off by default; ``False`` changes nothing.
       remedy: ``remedy(state, info) -> state``, applied to the restored state at every
         rollback (after triage, so ``info.verdict`` is set) before training resumes, and
         logged as a ``remedy`` event; ``info`` is a
-        :class:`~stabljax.control.remedies.RollbackInfo`. Built-ins in
-        :mod:`~stabljax.control.remedies` (``lower_lr``, ``scale_hyperparam``,
+        :class:`~stabljax.control.decide.remedies.RollbackInfo`. Built-ins in
+        :mod:`~stabljax.control.decide.remedies` (``lower_lr``, ``scale_hyperparam``,
         ``reset_second_moment``, ``by_verdict``, ``chain_remedies``). A restart that finds
         only checkpoints from before the last rollback applies it again (``reapplied``).
       screen_ahead: after each rollback, screen up to this many batches past the planned
-        skip (:func:`~stabljax.control.screen.screen_ahead`: each run from a copy of the
+        skip (:func:`~stabljax.control.diagnose.screen.screen_ahead`: each run from a copy of the
         restored state) and extend the skip while their loss is a spike against the
-        losses before the onset (triage's rule, :func:`~stabljax.control.triage.is_spike`),
+        losses before the onset (triage's rule, :func:`~stabljax.control.diagnose.triage.is_spike`),
         so one rollback passes a whole bad window; the skip event records the screened
         range and losses. ``0`` (the default) keeps the blind skip, which doubles on each
         consecutive rollback. Needs the train step (:meth:`run`'s, or ``screen_step``)
@@ -164,7 +163,7 @@ class RollbackController:
         verify: bool | str = True,
         preemption_signals: Sequence[int] = (signal.SIGTERM,),
         data_config: Any = None,
-        triage: bool | tr.TriageConfig = False,
+        triage: bool | TriageConfig = False,
         remedy: Callable[[Any, RollbackInfo], Any] | None = None,
         screen_ahead: int = 0,
         screen_step: Callable[[Any, Any], tuple[Any, Mapping[str, Any]]] | None = None,
@@ -180,7 +179,7 @@ class RollbackController:
         self.verify = check_verify(verify)
         self.async_save, self.background_save = bool(async_save), bool(background_save)
         self.data_config = jsonable(data_config)
-        self.triage, self._train_step = tr.as_config(triage), None
+        self.triage, self._train_step = as_config(triage), None
         self.remedy = check_remedy(remedy)
         if isinstance(screen_ahead, bool) or not isinstance(screen_ahead, int) or screen_ahead < 0:
             raise ValueError(f"screen_ahead must be an int >= 0, got {screen_ahead!r}")
@@ -190,7 +189,7 @@ class RollbackController:
         self.directory = pathlib.Path(directory).absolute()
         self._watch = PreemptionWatch(preemption_signals)
         check_directory(self.directory)
-        self.events = EventLog(self.directory / "events.jsonl", write=ck.is_primary())
+        self.events = EventLog(self.directory / "events.jsonl", write=is_primary())
         self._log = functools.partial(_append, self.events)  # no reference back to self
         detectors = default_detectors() if detectors is None else detectors
         self._monitor = Monitor(detectors, self._log)
@@ -207,7 +206,7 @@ class RollbackController:
     def _open(self) -> None:
         self._lock.acquire()
         try:
-            self._store = ck.CheckpointStore(
+            self._store = CheckpointStore(
                 self.directory, async_save=self.async_save, log=self._log, keep=self.keep
             )
         except BaseException:
@@ -262,7 +261,8 @@ class RollbackController:
         Other leaves, dtypes, shapes, tree structure or data config than the checkpoint's raise
         :class:`~stabljax.control.errors.CheckpointMismatch`. Returns ``(state, data)``:
         the state (``state`` itself in an empty directory) and a
-        :class:`~stabljax.control.data.DataIterator` at the next batch; use it from now on.
+        :class:`~stabljax.control.data.iterators.DataIterator` at the next batch; use it from
+        now on.
         """
         check_state(state)
         if self._closed:
@@ -284,18 +284,18 @@ class RollbackController:
         self._store.clean_leftovers()  # waits for saves in flight first
         steps = self._store.steps()
         if not steps:
-            self._step = int(ck.to_host(state.step))
+            self._step = int(to_host(state.step))
             self._watch.install(self._step)
             self._data.restore(self._data.index, self._ledger.ranges)
             self._save(state, sync=True)
             return state, self._data
-        r = rb.resume(self._store, self._saver, self._data_config())
+        r = resume.resume(self._store, self._saver, self._data_config())
         self._monitor.load(r.meta)
         self._step, self._ledger = self._store.load(r.meta), r.ledger
         self._watch.install(self._step)
         state = r.state
         if r.redo is not None and self.remedy is not None:
-            state = rb.reapply_remedy(self.remedy, state, r.redo)
+            state = resume.reapply_remedy(self.remedy, state, r.redo)
         self._place(r.index, state, data_state=r.saved)
         self._store.retain()
         details = dict(skipped_ranges=r.ledger.ranges, rollbacks=r.ledger.rollbacks)
@@ -432,12 +432,12 @@ class RollbackController:
         so its skip, and the resumed run, are the uninterrupted run's.
         """
         found = self._monitor.observe(step, metrics)
-        verdict = rb.decide(found, self._ledger, step=step, max_rollbacks=self.max_rollbacks)
+        verdict = policy.decide(found, self._ledger, step=step, max_rollbacks=self.max_rollbacks)
         if verdict is None:
             return None
         if verdict.action == "give_up":
             losses = self._monitor.losses_before(verdict.detections[0].step)
-            rb.give_up(verdict.detections, verdict.headline, losses, self._ledger, self._store)
+            resume.give_up(verdict.detections, verdict.headline, losses, self._ledger, self._store)
         fed_end = self._data.next_index + 1 if early else self._data.index
         return self._rollback(verdict.detections, fed_end)
 
@@ -467,9 +467,9 @@ class RollbackController:
     def _rollback(self, triggers: Sequence[Detection], fed_end: int) -> Any:
         """Carries out a rollback for ``triggers``, crash-safely, in this order.
 
-        Restore the target (:func:`~stabljax.control.policy.restore_order`; an unreadable
+        Restore the target (:func:`~stabljax.control.decide.policy.restore_order`; an unreadable
         one is set aside and the next tried), run the hooks on the restored state (triage,
-        then the remedy), plan (:func:`~stabljax.control.policy.plan_rollback`), write the
+        then the remedy), plan (:func:`~stabljax.control.decide.policy.plan_rollback`), write the
         crash record, and only then delete the checkpoints newer than the target; then
         log the events, take the checkpoint's trajectory and set the data position.
         A crash before the record leaves nothing that resume reads; one after it is
@@ -521,10 +521,10 @@ class RollbackController:
 
     def _triage_hook(self, target: int, state: Any, meta: Any, onset: int) -> Any:
         """With ``triage``, replays the window on copies of the restored state
-        (:func:`~stabljax.control.triage.for_rollback`) and returns its report."""
+        (:func:`~stabljax.control.diagnose.triage.for_rollback`) and returns its report."""
         if self.triage is None:
             return None
-        return tr.for_rollback(
+        return for_rollback(
             self.triage,
             step_fn=self._train_step,
             data=self._data,
@@ -544,7 +544,7 @@ class RollbackController:
         step_fn = self.screen_step or self._train_step
         if not self.screen_ahead or plan.narrowed or step_fn is None:
             return plan
-        rule = self.triage or tr.TriageConfig()
+        rule = self.triage or TriageConfig()
         return extend_over_window(plan, step_fn, state, self._data, losses, rule, self.screen_ahead)
 
     def _remedy_hook(self, state: Any, plan: policy.RollbackPlan, triggers: Sequence[Detection]):

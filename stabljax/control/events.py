@@ -39,7 +39,7 @@ from typing import Any, Literal, get_args
 
 import numpy as np
 
-from stabljax.control import fsutil, jsonio
+from stabljax.control.checkpoint import fsutil, jsonio
 
 # ------------------------------------------------------------------------------------------ events
 # Typed event records and a crash-safe ``events.jsonl`` log.
@@ -77,7 +77,7 @@ checkpoint. ``skip``: a data range was added to the skip ledger.
 ``preempted``: a preemption signal stopped the run at a step boundary (``details["saved"]``).
 ``data_exhausted``: the data ran out before the target step.
 ``triage``: after a rollback, a replay of the suspect window classified the spike
-(:mod:`stabljax.control.triage`; ``details["verdict"]``, evidence, culprits, attribution).
+(:mod:`stabljax.control.diagnose.triage`; ``details["verdict"]``, evidence, culprits, attribution).
 ``rebaseline``: a ``skip_spikes`` guard took a new loss level as its baseline after
 consecutive agreeing skips (``metrics["spike_rebaselines"]`` rose; ``details["total"]``).
 """
@@ -200,7 +200,7 @@ class Event:
           EventSchemaError: an unknown schema version (none means 1.0).
           MalformedJSONError: (a ``ValueError``) ``d`` is not an object with an integer
             ``step``, a finite ``time``, a string ``kind`` and an object ``details``
-            (:data:`~stabljax.control.jsonio.EVENT_SCHEMA`), named by ``what``.
+            (:data:`~stabljax.control.checkpoint.jsonio.EVENT_SCHEMA`), named by ``what``.
           ValueError: an unknown kind.
         """
         if isinstance(d, Mapping):
@@ -212,7 +212,7 @@ class Event:
     @classmethod
     def from_json(cls, line: str) -> Event:
         """Builds an event from :meth:`to_json`'s output (read strictly:
-        :func:`~stabljax.control.jsonio.loads_strict`)."""
+        :func:`~stabljax.control.checkpoint.jsonio.loads_strict`)."""
         return cls.from_dict(jsonio.loads_strict(line, what="event"))
 
 
@@ -221,8 +221,8 @@ def append_line(path: str | os.PathLike, line: str) -> None:
 
     If the file does not end with a newline (a torn line from a crash), a newline is
     written first so the new record starts on its own line. The file is opened with
-    ``O_NOFOLLOW`` (:func:`~stabljax.control.fsutil.open_nofollow`): a symlink planted at
-    ``path`` is an :class:`~stabljax.control.fsutil.UnsafePathError`, and nothing outside
+    ``O_NOFOLLOW`` (:func:`~stabljax.control.checkpoint.fsutil.open_nofollow`): a symlink planted at
+    ``path`` is an :class:`~stabljax.control.checkpoint.fsutil.UnsafePathError`, and nothing outside
     the run directory is appended to.
 
     Args:
@@ -246,11 +246,11 @@ def append_line(path: str | os.PathLike, line: str) -> None:
 def load_events(path: str | os.PathLike) -> tuple[list[Event], list[str]]:
     """Reads ``events.jsonl`` strictly: the events, and a warning per line skipped.
 
-    Each line goes through :func:`~stabljax.control.jsonio.loads_strict` and
-    :data:`~stabljax.control.jsonio.EVENT_SCHEMA`: a torn line (a crash in a write), a
+    Each line goes through :func:`~stabljax.control.checkpoint.jsonio.loads_strict` and
+    :data:`~stabljax.control.checkpoint.jsonio.EVENT_SCHEMA`: a torn line (a crash in a write), a
     line that is not a JSON object, a ``step`` that is not an integer (``12.7``,
     ``true``), a non-finite number (``Infinity``) or nesting deeper than
-    :data:`~stabljax.control.jsonio.MAX_DEPTH` is skipped with a warning
+    :data:`~stabljax.control.checkpoint.jsonio.MAX_DEPTH` is skipped with a warning
     ``"PATH:LINE: ..."``. A kind this version does not know (a newer minor version's) is
     skipped without one. A line of another schema major version raises
     :class:`EventSchemaError` naming the file and line (its records cannot be trusted to
@@ -280,7 +280,7 @@ def read_events(path: str | os.PathLike) -> list[Event]:
     """Reads ``events.jsonl``, skipping (with a warning) the lines it cannot trust.
 
     :func:`load_events`, with each skipped line reported as a
-    :class:`~stabljax.control.jsonio.MalformedLineWarning` naming the file and line.
+    :class:`~stabljax.control.checkpoint.jsonio.MalformedLineWarning` naming the file and line.
 
     Args:
       path: the file; a missing file gives an empty list.
@@ -362,9 +362,6 @@ class EventLog:
 # Metrics writers for :meth:`RollbackController.run`: any ``callable(step, metrics)``.
 
 
-__all__ = ["JsonlMetricsWriter", "TensorBoardMetricsWriter", "host_metrics"]
-
-
 def host_metrics(metrics: Mapping[str, Any], prefix: str = "") -> dict[str, float | int | bool]:
     """The scalar entries of ``metrics`` as Python numbers; nested mappings flattened.
 
@@ -405,7 +402,7 @@ class JsonlMetricsWriter:
     that ends without a newline (a crash in a write) gets one first. Non-finite values
     are written as strings (``"nan"``), as in ``events.jsonl``. The file is opened with
     ``O_NOFOLLOW``: a symlink at ``path`` is an
-    :class:`~stabljax.control.fsutil.UnsafePathError`. Use as a context manager or call
+    :class:`~stabljax.control.checkpoint.fsutil.UnsafePathError`. Use as a context manager or call
     :meth:`close`.
 
     Args:
@@ -490,3 +487,20 @@ class TensorBoardMetricsWriter:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+__all__ = (
+    "EVENT_KINDS",
+    "Event",
+    "EventKind",
+    "EventLog",
+    "EventSchemaError",
+    "JsonlMetricsWriter",
+    "SCHEMA_VERSION",
+    "TensorBoardMetricsWriter",
+    "append_line",
+    "check_schema",
+    "host_metrics",
+    "load_events",
+    "read_events",
+)

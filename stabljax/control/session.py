@@ -31,10 +31,9 @@ import jax
 import numpy as np
 from jax.experimental import multihost_utils
 
-from stabljax.control.errors import DataExhausted, Preempted
-from stabljax.control.errors import warn as warn
+from stabljax.control.checkpoint.fsutil import open_nofollow, read_text, refuse_symlinks
+from stabljax.control.errors import DataExhausted, Preempted, warn
 from stabljax.control.events import host_metrics
-from stabljax.control.fsutil import open_nofollow, read_text, refuse_symlinks
 
 # --------------------------------------------------------------------------- the directory
 # What the operator hands the controller: a train state and a writable directory.

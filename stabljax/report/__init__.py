@@ -18,7 +18,7 @@ from __future__ import annotations
 import os
 import pathlib
 
-from stabljax.control import fsutil
+from stabljax.control.checkpoint import fsutil
 from stabljax.report.page import render, summary
 from stabljax.report.read import Run, load_run
 

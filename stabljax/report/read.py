@@ -9,11 +9,12 @@ The inputs, all plain JSON (no Orbax, no JAX needed to read them):
   per step, rows of an abandoned branch followed by the replayed steps after a rollback.
 
 The directory may be someone else's (a bucket, a bug report), so everything goes through
-:mod:`stabljax.control.jsonio`: a line of ``events.jsonl`` or ``metrics.jsonl`` that is not
-what stabljax writes is skipped and listed in :attr:`Run.warnings` (file and line); a
-malformed meta item or rollback record is a :class:`~stabljax.control.jsonio.MalformedJSONError`
+:mod:`~stabljax.control.checkpoint.jsonio`: a line of ``events.jsonl`` or ``metrics.jsonl``
+that is not what stabljax writes is skipped and listed in :attr:`Run.warnings` (file and line); a
+malformed meta item or rollback record is a
+:class:`~stabljax.control.checkpoint.jsonio.MalformedJSONError`
 naming the file. Fixed names are read without following symlinks, and never from a FIFO or
-a device (:func:`stabljax.control.fsutil.read_text`).
+a device (:func:`stabljax.control.checkpoint.fsutil.read_text`).
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ import dataclasses
 import pathlib
 from typing import Any
 
-from stabljax.control import jsonio
+from stabljax.control.checkpoint import jsonio
 from stabljax.control.events import Event, load_events
 
 RECORD = "stabljax-rollback.json"
@@ -84,7 +85,7 @@ def read_ledger(directory: pathlib.Path) -> dict[str, Any]:
     checkpoint, or the rollback record if that has seen more rollbacks.
 
     Only step folders with Orbax's commit marker are read; a meta item or record that is
-    present but malformed raises :class:`~stabljax.control.jsonio.MalformedJSONError`
+    present but malformed raises :class:`~stabljax.control.checkpoint.jsonio.MalformedJSONError`
     naming its file.
     """
     metas = []
@@ -107,9 +108,9 @@ def load_run(directory: str | pathlib.Path, metrics: str | pathlib.Path | None =
     Raises:
       ValueError: ``directory`` is not a directory or has no ``events.jsonl``; or (its
         subclasses) a malformed meta item or rollback record
-        (:class:`~stabljax.control.jsonio.MalformedJSONError`), an ``events.jsonl`` of
+        (:class:`~stabljax.control.checkpoint.jsonio.MalformedJSONError`), an ``events.jsonl`` of
         another schema major version, a fixed-name file that is a symlink
-        (:class:`~stabljax.control.fsutil.UnsafePathError`). Each message names the file.
+        (:class:`~stabljax.control.checkpoint.fsutil.UnsafePathError`). Each message names the file.
     """
     directory = pathlib.Path(directory)
     if not directory.is_dir():

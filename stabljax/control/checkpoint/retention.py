@@ -3,7 +3,7 @@
 The store's ``CheckpointManager`` is given :class:`Retention` as its
 ``CheckpointManagerOptions(preservation_policy=...)``; Orbax asks it at every save (the new
 step included) and deletes what it does not preserve once that save has committed, in the
-save's finalisation. :meth:`~stabljax.control.store.CheckpointStore.retain` asks the same
+save's finalisation. :meth:`~stabljax.control.checkpoint.store.CheckpointStore.retain` asks the same
 policy between saves (on resume, before a rollback, on close).
 
 :class:`Retention` is an ``AnyPreservationPolicy`` of four rules:
@@ -14,7 +14,7 @@ policy between saves (on resume, before a rollback, on close).
 * the resume point: a resume-only checkpoint newer than every regular one;
 * ``BestN(n=1)`` on the smoothed loss, when a detector rolls back to the best checkpoint
   (``rollback_best``); ties go to the older step, as the rollback's own choice
-  (:func:`~stabljax.control.policy.best_step`) does;
+  (:func:`~stabljax.control.decide.policy.best_step`) does;
 * every folder that is not a checkpoint of the run (a user's folder named like a step) is
   preserved: Orbax lists it, nothing here ever deletes it.
 
@@ -24,7 +24,7 @@ writes only with a ``best_fn`` and which would not come back with a rollback.
 
 Example:
   >>> import datetime
-  >>> from stabljax.control.retention import Retention
+  >>> from stabljax.control.checkpoint.retention import Retention
   >>> class Run:  # what the store says about its checkpoints
   ...     keep, keeps_best, scores, resume_only = 2, True, {0: 0.5, 10: 2.0, 20: 1.0}, {37}
   ...     def holds(self, step):
@@ -47,7 +47,7 @@ SCORE = "smoothed_loss"  # the metric BestN ranks by
 
 class Checkpoints(Protocol):
     """What the policy reads of the store
-    (:class:`~stabljax.control.store.CheckpointStore` has it), at every evaluation."""
+    (:class:`~stabljax.control.checkpoint.store.CheckpointStore` has it), at every evaluation."""
 
     keep: int
     keeps_best: bool

@@ -53,10 +53,10 @@ import jax
 import numpy as np
 
 from stabljax import metrics as keys
-from stabljax.control import attribution
-from stabljax.control import store as ck
-from stabljax.control.items import device_snapshot
-from stabljax.control.policy import first_allowed
+from stabljax.control.checkpoint.items import device_snapshot
+from stabljax.control.checkpoint.store import CheckpointStore, all_agree, to_host
+from stabljax.control.decide.policy import first_allowed
+from stabljax.control.diagnose import attribution
 
 VERDICTS = ("nondeterministic", "data", "state", "inconclusive")
 PHASES = ("restored", "rerun", "earlier", "culprit")
@@ -169,7 +169,7 @@ def robust_spikes(values: Sequence[float], reference: Sequence[float], cfg: Tria
     or against ``reference`` when fewer than three others are finite.
 
     Example:
-      >>> from stabljax.control.triage import TriageConfig, robust_spikes
+      >>> from stabljax.control.diagnose.triage import TriageConfig, robust_spikes
       >>> robust_spikes([1.0, 1.1, 0.9, 1.0, 9.0], [], TriageConfig())
       [False, False, False, False, True]
       >>> robust_spikes([1.0, float("nan")], [1.0, 1.0, 1.1], TriageConfig())
@@ -210,7 +210,7 @@ def _host(tree: Any) -> Any:
 def _to_python(tree: Any) -> Any:
     if isinstance(tree, Mapping):
         return {str(k): _to_python(v) for k, v in tree.items() if v is not None}
-    arr = ck.to_host(tree)
+    arr = to_host(tree)
     if arr.size != 1:
         return None
     item = arr.reshape(()).item()
@@ -230,7 +230,7 @@ def window_indices(start: int, n: int, ranges: Sequence[tuple[int, int]]) -> lis
     """The data indices fed for ``n`` steps from data position ``start`` past ``ranges``.
 
     Example:
-      >>> from stabljax.control.triage import window_indices
+      >>> from stabljax.control.diagnose.triage import window_indices
       >>> window_indices(20, 5, [(22, 24)])
       [20, 21, 24, 25, 26]
     """
@@ -266,7 +266,7 @@ class _Replayer:
         over_steps = self.steps + n > self.cfg.max_steps
         over_time = time.monotonic() - self.start > self.cfg.time_budget_s
         if jax.process_count() > 1:  # every host stops together or none does
-            over_steps = not ck.all_agree(not (over_steps or over_time))
+            over_steps = not all_agree(not (over_steps or over_time))
             over_time = False
         if over_steps or over_time:
             what = "max_steps" if over_steps else "time_budget_s"
@@ -461,7 +461,7 @@ def for_rollback(
     *,
     step_fn: Callable[[Any, Any], tuple[Any, Mapping[str, Any]]] | None,
     data: Any,
-    store: ck.CheckpointStore,
+    store: CheckpointStore,
     abstract: Any,
     verify: bool | str,
     history: Sequence[tuple[int, float, bool]],

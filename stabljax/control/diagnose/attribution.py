@@ -99,7 +99,7 @@ def first_jump(
     """The first layer whose grad norm is ``factor`` × its baseline median, and the largest.
 
     Example:
-      >>> from stabljax.control.attribution import first_jump
+      >>> from stabljax.control.diagnose.attribution import first_jump
       >>> base = [{"layers": {"grad_norm": {"a": 1.0, "b": 1.0, "c": 1.0}}}] * 3
       >>> spike = {"layers": {"grad_norm": {"a": 1.2, "b": 30.0, "c": 80.0}}}
       >>> j = first_jump(base, spike)
@@ -238,7 +238,7 @@ def attribute(
       eps_fraction: ``{path: fraction}`` from :func:`stabljax.telemetry.adam_eps_report`.
 
     Example:
-      >>> from stabljax.control.attribution import attribute
+      >>> from stabljax.control.diagnose.attribution import attribute
       >>> base = [{"grad_norm": 1.0 + 0.01 * (i % 3), "log_z": 0.1} for i in range(8)]
       >>> a = attribute(base, {"grad_norm": 40.0, "log_z": 0.1})
       >>> [h["cause"] for h in a["hints"]]

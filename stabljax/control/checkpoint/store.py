@@ -3,17 +3,17 @@
 * Host helpers: reading device values (:func:`to_host`, :func:`host_scalars`) and
   agreeing across processes (:func:`all_agree`, :func:`try_everywhere`, :func:`barrier`),
   so every process decides the same thing without a coordinator.
-* The meta item's checks live in :mod:`~stabljax.control.integrity` (fingerprints, the
+* The meta item's checks live in :mod:`~stabljax.control.checkpoint.integrity` (fingerprints, the
   meta digest, the resume checks).
 * :class:`CheckpointStore`: one Orbax ``CheckpointManager`` (:class:`StepManager`) whose
   checkpoints are a ``Composite`` of the train state, the data position (Grain's own
   checkpoint, or JSON) and the JSON meta item. Commit, then log: a ``save`` event is
   written once the checkpoint has committed; a failed save is a ``save_failed`` event and
   a :class:`~stabljax.control.errors.CheckpointSaveError`. Orbax deletes what the
-  store's :class:`~stabljax.control.retention.Retention` (its preservation policy) does
+  store's :class:`~stabljax.control.checkpoint.retention.Retention` (its preservation policy) does
   not keep; the store adds what Orbax lacks: the composite item, the fingerprint and digest
   checks, and never claiming a folder that is not a checkpoint.
-* When a checkpoint is taken and what it holds is :class:`~stabljax.control.saver.Saver`'s
+* When a checkpoint is taken and what it holds is :class:`~.saver.Saver`'s
   decision; it writes through :meth:`CheckpointStore.write`.
 """
 
@@ -36,15 +36,13 @@ import numpy as np
 import orbax.checkpoint as ocp
 from jax.experimental import multihost_utils
 
-from stabljax.control import policy
-from stabljax.control.errors import CheckpointMismatch as CheckpointMismatch
-from stabljax.control.errors import CheckpointSaveError as CheckpointSaveError
-from stabljax.control.errors import warn
-from stabljax.control.fsutil import atomic_write_json as atomic_write_json
-from stabljax.control.integrity import CheckpointKeyError, Seal
-from stabljax.control.items import GrainStateReader, data_item
-from stabljax.control.jsonio import read_meta
-from stabljax.control.retention import Retention
+from stabljax.control.checkpoint.fsutil import atomic_write_json
+from stabljax.control.checkpoint.integrity import CheckpointKeyError, Seal
+from stabljax.control.checkpoint.items import GrainStateReader, data_item
+from stabljax.control.checkpoint.jsonio import read_meta
+from stabljax.control.checkpoint.retention import Retention
+from stabljax.control.decide import policy
+from stabljax.control.errors import CheckpointSaveError, warn
 
 # -------------------------------------------------------------------------------------------- host
 # Host-side helpers of the controller: reading device values, and agreeing across hosts.
@@ -79,7 +77,7 @@ def host_scalars(metrics: Mapping[str, Any], keys: frozenset[str] | None) -> dic
 def try_everywhere(fn: Callable[[], Any], log: Callable[..., None], step: int | None) -> Any:
     """``fn()``, or None (with a ``corrupt_checkpoint`` event) if it fails on any process.
 
-    A :class:`~stabljax.control.integrity.CheckpointKeyError` (a key to set, not corruption)
+    A :class:`~.integrity.CheckpointKeyError` (a key to set, not corruption)
     propagates."""
     try:
         result, ok, err = fn(), True, None
@@ -404,8 +402,8 @@ class CheckpointStore:
         return self._check_meta(step, out["meta"])
 
     def _check_meta(self, step: int, meta: Any) -> dict[str, Any]:
-        """The meta item read strictly (:func:`~stabljax.control.jsonio.read_meta`), its digest
-        checked (:meth:`~stabljax.control.integrity.Seal.check_meta`)."""
+        """The meta item read strictly (:func:`~.jsonio.read_meta`), its digest
+        checked (:meth:`~stabljax.control.checkpoint.integrity.Seal.check_meta`)."""
         if not isinstance(meta, dict):
             raise ValueError(f"checkpoint {step} has no stabljax meta (got {type(meta).__name__})")
         meta = read_meta(meta, what=f"checkpoint {step}'s meta in {str(self.directory)!r}")
@@ -416,9 +414,9 @@ class CheckpointStore:
     ) -> tuple[Any, dict[str, Any], dict[str, Any] | None]:
         """Restores (and verifies) checkpoint ``step``: ``(state, meta, data state)``.
 
-        With ``data`` (the run's :class:`~stabljax.control.data.DataIterator`) the data
+        With ``data`` (the run's :class:`~stabljax.control.data.iterators.DataIterator`) the data
         item is read too, in ``data.get_state()``'s form (Grain's saved state included),
-        for :meth:`~stabljax.control.data.DataIterator.restore`; ``data`` itself is not
+        for :meth:`~stabljax.control.data.iterators.DataIterator.restore`; ``data`` itself is not
         touched. Without it the data state is ``None``.
         """
         items = {"state": ocp.args.StandardRestore(abstract), "meta": ocp.args.JsonRestore()}

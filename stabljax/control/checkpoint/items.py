@@ -5,7 +5,7 @@
 * :func:`data_item`: the Orbax args of the data position. Grain iterators are saved with
   Grain's own checkpoint handler (its state frozen when the save was decided) and read back
   into a :class:`GrainStateReader`, never into the live iterator: the data position has one
-  writer (:meth:`~stabljax.control.data.DataIterator.restore`). Other data is JSON.
+  writer (:meth:`~stabljax.control.data.iterators.DataIterator.restore`). Other data is JSON.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ import jax
 import numpy as np
 import orbax.checkpoint as ocp
 
-from stabljax.control.data import GrainDatasetIterator, GrainLoaderIterator
+from stabljax.control.data.iterators import GrainDatasetIterator, GrainLoaderIterator
 
 
 def device_snapshot(tree: Any) -> Any:
@@ -60,7 +60,7 @@ def grain_source(data: Any) -> Any:
 class GrainStateReader:
     """Stands in for a Grain iterator in a restore: it takes the saved state instead of the
     live iterator, so the data position has one writer
-    (:meth:`~stabljax.control.data.DataIterator.restore`).
+    (:meth:`~stabljax.control.data.iterators.DataIterator.restore`).
 
     Grain's handler calls ``set_state(bytes)`` for anything that is not a
     ``DatasetIterator``, then ``start_prefetch()``.

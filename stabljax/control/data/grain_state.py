@@ -1,6 +1,6 @@
 """Grain's side of the data iterators: its checkpoint format and its loaders' operations.
 
-* :class:`GrainState`: the state the Grain wrappers of :mod:`stabljax.control.data` give,
+* :class:`GrainState`: the state the Grain wrappers of :mod:`stabljax.control.data.iterators` give,
   Grain's own plus ``index`` (the batch position), in a form Grain's Orbax handler writes.
 * :func:`parse_grain_state`: a Grain state from a dict, JSON text or JSON bytes.
 * :func:`loader_operations`: whether a ``grain.DataLoader`` can be moved by state

@@ -2,7 +2,7 @@
 
 No Orbax, no JAX, no I/O: which checkpoint a rollback restores, which data range it
 skips, whether a save may happen now, and which configurations cannot work (which
-checkpoints are kept is Orbax's, under :mod:`~stabljax.control.retention`). Each is
+checkpoints are kept is Orbax's, under :mod:`~stabljax.control.checkpoint.retention`). Each is
 tested on its own, without a model (``tests/test_policy.py``).
 
 The rules:
@@ -52,7 +52,7 @@ def check_config(
     every rollback would silently go to the oldest one instead.
 
     Example:
-      >>> from stabljax.control.policy import check_config
+      >>> from stabljax.control.decide.policy import check_config
       >>> check_config(save_every=100, keep=3, rollback_margin=100)
       >>> check_config(save_every=10, keep=3, rollback_margin=100)  # doctest: +ELLIPSIS
       Traceback (most recent call last):
@@ -116,7 +116,7 @@ def restore_order(
     """The checkpoints to try for a rollback, best first, and whether the margin is met.
 
     Example:
-      >>> from stabljax.control.policy import restore_order
+      >>> from stabljax.control.decide.policy import restore_order
       >>> restore_order([0, 10, 20, 30], onset=35, margin=10)
       ([20, 10, 0, 30], True)
       >>> restore_order([20, 30], onset=35, margin=100)
@@ -164,7 +164,7 @@ def skip_range(
         previous one's target is consecutive and skips at least twice as much.
 
     Example:
-      >>> from stabljax.control.policy import skip_range
+      >>> from stabljax.control.decide.policy import skip_range
       >>> skip_range(start=20, fed_end=37, extra_skip=0, detected=36, last_rollback=None,
       ...            window=30)
       Skip(start=20, end=37, length=17, doubled=False)
@@ -185,7 +185,7 @@ def save_blocker(active_onsets: Sequence[int | None], last_loss: float | None) -
     """Why a checkpoint must not be saved now, or ``None`` when it may.
 
     Example:
-      >>> from stabljax.control.policy import save_blocker
+      >>> from stabljax.control.decide.policy import save_blocker
       >>> save_blocker([None, None], 1.5) is None
       True
       >>> save_blocker([None, 42], 9.0)
@@ -215,7 +215,7 @@ def merge_ranges(ranges: Iterable[Sequence[int]]) -> list[tuple[int, int]]:
       Disjoint, sorted, non-touching ranges as tuples.
 
     Example:
-      >>> from stabljax.control.policy import merge_ranges
+      >>> from stabljax.control.decide.policy import merge_ranges
       >>> merge_ranges([(10, 20), (0, 3), (15, 30), (30, 31), (5, 5)])
       [(0, 3), (10, 31)]
     """
@@ -359,7 +359,7 @@ def diverged_message(
 
 class Finding(Protocol):
     """What :func:`decide` reads of a detection
-    (:class:`~stabljax.control.detectors.Detection` has it)."""
+    (:class:`~stabljax.control.detect.detectors.Detection` has it)."""
 
     kind: str
     step: int
@@ -385,7 +385,7 @@ def decide(
     """The one place a rollback is decided, from the detections of step ``step``.
 
     A detection whose action is ``"raise"`` gives up; otherwise detections that roll back
-    (:attr:`~stabljax.control.detectors.Detection.rolls_back`) roll back, unless
+    (:attr:`~stabljax.control.detect.detectors.Detection.rolls_back`) roll back, unless
     ``max_rollbacks`` are spent (``None``: never), which gives up too. None: nothing to do.
     """
     if raising := [d for d in found if d.action == "raise"]:
@@ -529,8 +529,8 @@ def plan_rollback(
       triage: triage's report (``verdict``, ``culprits``), or None.
 
     Example:
-      >>> from stabljax.control.detectors import Detection
-      >>> from stabljax.control.policy import (
+      >>> from stabljax.control.detect.detectors import Detection
+      >>> from stabljax.control.decide.policy import (
       ...     Ledger, RollbackSettings, Target, plan_rollback)
       >>> spike = Detection("spike", 36, 35, "rollback", "loss 9 > 5", 9.0)
       >>> plan = plan_rollback([spike], Ledger(), Target(20, 20, True), 37,

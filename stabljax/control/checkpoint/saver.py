@@ -1,6 +1,6 @@
 """When a checkpoint is taken and what it holds: health gating, deferral, capture.
 
-:class:`Saver` decides; :class:`~stabljax.control.store.CheckpointStore` writes, here or
+:class:`Saver` decides; :class:`~stabljax.control.checkpoint.store.CheckpointStore` writes, here or
 on its worker thread (``background_save``).
 """
 
@@ -11,16 +11,22 @@ import json
 from collections.abc import Callable
 from typing import Any, Protocol
 
-from stabljax.control import policy
-from stabljax.control.integrity import META_VERSION, Seal, fingerprint, leaf_specs, node_specs
-from stabljax.control.items import data_item, device_snapshot
-from stabljax.control.policy import Ledger
-from stabljax.control.store import CheckpointStore
+from stabljax.control.checkpoint.integrity import (
+    META_VERSION,
+    Seal,
+    fingerprint,
+    leaf_specs,
+    node_specs,
+)
+from stabljax.control.checkpoint.items import data_item, device_snapshot
+from stabljax.control.checkpoint.store import CheckpointStore
+from stabljax.control.decide import policy
+from stabljax.control.decide.policy import Ledger
 
 
 class Trajectory(Protocol):
     """What a save reads of the detectors' side
-    (:class:`~stabljax.control.monitor.Monitor` has it)."""
+    (:class:`~stabljax.control.detect.monitor.Monitor` has it)."""
 
     rolls_back_to_best: bool
     last_loss: float | None

@@ -1,7 +1,7 @@
 """Resume: the rollback record, the newest valid checkpoint, and giving up.
 
 * :func:`read_record`: the rollback record (``stabljax-rollback.json``), the crash-safe
-  copy of the ledger (:class:`~stabljax.control.policy.Ledger`) that a rollback writes
+  copy of the ledger (:class:`~stabljax.control.decide.policy.Ledger`) that a rollback writes
   before it deletes anything.
 * :func:`resume`: check the state and data config against the newest readable
   checkpoint, finish a rollback that a crash interrupted, restore the newest checkpoint
@@ -9,7 +9,7 @@
   whether the record's remedy must be applied again (:func:`reapply_remedy`).
 * :func:`give_up`: the ``diverged`` event and :class:`TrainingDiverged`.
 
-A rollback itself is planned by :func:`~stabljax.control.policy.plan_rollback` and carried
+A rollback itself is planned by :func:`~stabljax.control.decide.policy.plan_rollback` and carried
 out by :meth:`~stabljax.control.controller.RollbackController._rollback`.
 """
 
@@ -20,22 +20,14 @@ import pathlib
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, NoReturn
 
-from stabljax.control import remedies as rm
-from stabljax.control import store as ck
-from stabljax.control.detectors import Detection
+from stabljax.control.checkpoint.integrity import check_compatible
+from stabljax.control.checkpoint.jsonio import read_rollback_record
+from stabljax.control.checkpoint.saver import Saver
+from stabljax.control.checkpoint.store import RECORD, CheckpointStore, try_everywhere
+from stabljax.control.decide.policy import Ledger, diverged_message, first_allowed
+from stabljax.control.decide.remedies import RollbackInfo
+from stabljax.control.detect.detectors import Detection
 from stabljax.control.errors import TrainingDiverged
-from stabljax.control.integrity import check_compatible
-from stabljax.control.jsonio import read_rollback_record
-from stabljax.control.policy import ADVICE as ADVICE
-from stabljax.control.policy import HISTORY as HISTORY
-from stabljax.control.policy import Decision as Decision
-from stabljax.control.policy import Ledger as Ledger
-from stabljax.control.policy import decide as decide
-from stabljax.control.policy import diverged_message as diverged_message
-from stabljax.control.policy import first_allowed
-from stabljax.control.policy import losses_before as losses_before
-from stabljax.control.saver import Saver
-from stabljax.control.store import RECORD as RECORD
 
 # ------------------------------------------------------------------------------------------ ledger
 # The run ledger: skipped ranges, rollbacks, the crash record, and the give-up message.
@@ -70,13 +62,11 @@ class Restored:
     redo: dict[str, Any] | None = None  # resume: a rollback's remedy the state lacks
 
 
-def resume(store: ck.CheckpointStore, saver: Saver, data_config: Any) -> Restored:
+def resume(store: CheckpointStore, saver: Saver, data_config: Any) -> Restored:
     """Restores the newest valid checkpoint with its data state (for ``data.restore``)."""
     directory, steps = store.directory, store.steps()
     record = read_record(directory)
-    metas = (
-        ck.try_everywhere(lambda s=s: store.read_meta(s), store.log, None) for s in steps[::-1]
-    )
+    metas = (try_everywhere(lambda s=s: store.read_meta(s), store.log, None) for s in steps[::-1])
     newest = next(filter(None, metas), None)
     if newest is not None:
         check_compatible(newest, saver.abstract, data_config, directory)
@@ -111,7 +101,7 @@ def give_up(
     headline: str,
     losses: Sequence[Sequence[Any]],
     ledger: Ledger,
-    store: ck.CheckpointStore,
+    store: CheckpointStore,
 ) -> NoReturn:
     """Logs ``diverged``, waits for saves in flight and raises :class:`TrainingDiverged`."""
     step = triggers[0].step
@@ -126,4 +116,4 @@ def reapply_remedy(remedy: Callable[..., Any] | None, state: Any, entry: Mapping
     """Applies ``remedy`` again after a restart, as the rollback ``entry`` applied it."""
     if remedy is None:
         return state
-    return remedy(state, rm.RollbackInfo.from_json(entry["remedy_info"]))
+    return remedy(state, RollbackInfo.from_json(entry["remedy_info"]))

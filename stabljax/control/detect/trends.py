@@ -1,7 +1,7 @@
 """Trend tests for slow divergence: Mann–Kendall, Sen's slope and the Hamed–Rao correction.
 
 Pure NumPy functions of a series, used by
-:class:`~stabljax.control.drift.SlowDivergenceDetector`.
+:class:`~stabljax.control.detect.drift.SlowDivergenceDetector`.
 
 References:
   Hamed and Rao, `A modified Mann-Kendall trend test for autocorrelated data
@@ -36,7 +36,7 @@ def mann_kendall(x: Any) -> tuple[float, float, float]:
       ``(S, Var S, z)`` as floats.
 
     Example:
-      >>> from stabljax.control.trends import mann_kendall
+      >>> from stabljax.control.detect.trends import mann_kendall
       >>> s, var, z = mann_kendall([1.0, 2.0, 3.0, 4.0])
       >>> print(s, round(var, 4), round(z, 4))
       6.0 8.6667 1.6984
@@ -69,7 +69,7 @@ def sen_slope(x: Any) -> float:
       The slope per element, as a float.
 
     Example:
-      >>> from stabljax.control.trends import sen_slope
+      >>> from stabljax.control.detect.trends import sen_slope
       >>> print(sen_slope([0.0, 1.0, 2.0, 3.0, 30.0]))
       1.0
     """
@@ -159,7 +159,7 @@ def mann_kendall_hamed_rao(
       ``(S, Var* S, n/n*, z)`` as floats.
 
     Example:
-      >>> from stabljax.control.trends import mann_kendall_hamed_rao
+      >>> from stabljax.control.detect.trends import mann_kendall_hamed_rao
       >>> import math
       >>> x = [0.1 * t + math.sin(t / 2) for t in range(20)]  # a trend and a slow wave
       >>> s, var, ratio, z = mann_kendall_hamed_rao(x)

@@ -28,10 +28,9 @@ from typing import Any
 
 import grain
 
+from stabljax.control.data.grain_state import GrainState, loader_operations, parse_grain_state
+from stabljax.control.decide.policy import first_allowed, merge_ranges
 from stabljax.control.errors import warn as warn_user
-from stabljax.control.grain_state import GrainState, loader_operations, parse_grain_state
-from stabljax.control.policy import first_allowed as first_allowed
-from stabljax.control.policy import merge_ranges as merge_ranges
 
 
 class DataIterator(Iterator[Any]):
@@ -156,7 +155,7 @@ class DataIterator(Iterator[Any]):
           ValueError: ``index`` is behind and this iterator cannot move back.
 
         Example:
-          >>> from stabljax.control.data import IndexedBatches
+          >>> from stabljax.control.data.iterators import IndexedBatches
           >>> it = IndexedBatches(lambda i: i, start=9)
           >>> it.restore(4, [(5, 7)], state={"index": 2})
           >>> it.index, [next(it) for _ in range(3)]
@@ -261,7 +260,7 @@ class PlainIterator(DataIterator):
 
     Example:
       >>> import warnings
-      >>> from stabljax.control.data import PlainIterator
+      >>> from stabljax.control.data.iterators import PlainIterator
       >>> with warnings.catch_warnings():
       ...     warnings.simplefilter("ignore")
       ...     it = PlainIterator(iter(range(100)))
@@ -310,7 +309,7 @@ class GrainDatasetIterator(DataIterator):
 
     Example:
       >>> import grain
-      >>> from stabljax.control.data import GrainDatasetIterator
+      >>> from stabljax.control.data.iterators import GrainDatasetIterator
       >>> it = GrainDatasetIterator(iter(grain.MapDataset.range(100).batch(4)))
       >>> it.skip(10)
       >>> next(it).tolist(), it.index
@@ -419,7 +418,7 @@ class GrainLoaderIterator(DataIterator):
 
     Example:
       >>> import grain
-      >>> from stabljax.control.data import GrainLoaderIterator
+      >>> from stabljax.control.data.iterators import GrainLoaderIterator
       >>> loader = grain.DataLoader(
       ...     data_source=list(range(64)),
       ...     sampler=grain.samplers.IndexSampler(64, num_epochs=1, shuffle=False),
@@ -557,7 +556,7 @@ def as_data_iterator(data: Any) -> DataIterator:
 
     Example:
       >>> import grain
-      >>> from stabljax.control.data import as_data_iterator
+      >>> from stabljax.control.data.iterators import as_data_iterator
       >>> type(as_data_iterator(grain.MapDataset.range(8).batch(2))).__name__
       'GrainDatasetIterator'
     """

@@ -232,7 +232,7 @@ def leaf_digests(
 
     Example:
       >>> import hashlib, numpy as np
-      >>> from stabljax.control.integrity import leaf_digests
+      >>> from stabljax.control.checkpoint.integrity import leaf_digests
       >>> w = np.arange(3, dtype=np.float32)
       >>> [(path, digest)] = leaf_digests({"w": w})
       >>> path, digest == hashlib.sha256(b"<f4[3]" + w.tobytes()).hexdigest()

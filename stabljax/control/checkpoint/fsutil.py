@@ -58,17 +58,17 @@ def open_nofollow(path: str | os.PathLike, flags: int, mode: int = 0o644) -> int
       An open file descriptor (the caller closes it).
 
     Raises:
-      UnsafePathError: ``path`` is a symlink (nothing was opened or created).
+      stabljax.control.checkpoint.fsutil.UnsafePathError: ``path`` is a symlink (nothing was opened or created).
 
     Example:
       >>> import os, tempfile
-      >>> from stabljax.control.fsutil import open_nofollow
+      >>> from stabljax.control.checkpoint.fsutil import open_nofollow
       >>> d = tempfile.mkdtemp()
       >>> os.symlink("/etc/hostname", os.path.join(d, "events.jsonl"))
       >>> open_nofollow(os.path.join(d, "events.jsonl"), os.O_WRONLY | os.O_APPEND)
       Traceback (most recent call last):
       ...
-      stabljax.control.fsutil.UnsafePathError: refusing to follow the symlink .../events.jsonl ...
+      stabljax.control.checkpoint.fsutil.UnsafePathError: refusing to follow the symlink .../events.jsonl ...
     """
     path = os.fspath(path)
     try:
@@ -131,7 +131,7 @@ def atomic_write_text(path: str | os.PathLike, text: str, *, errors: str = "stri
 
     Example:
       >>> import os, tempfile
-      >>> from stabljax.control.fsutil import atomic_write_text
+      >>> from stabljax.control.checkpoint.fsutil import atomic_write_text
       >>> d = tempfile.mkdtemp()
       >>> atomic_write_text(os.path.join(d, "a.txt"), "caf\\udce9", errors="backslashreplace")
       >>> open(os.path.join(d, "a.txt")).read(), os.listdir(d)
@@ -147,7 +147,7 @@ def atomic_write_json(path: str | os.PathLike, obj: Any) -> None:
 
     Example:
       >>> import json, os, tempfile
-      >>> from stabljax.control.fsutil import atomic_write_json
+      >>> from stabljax.control.checkpoint.fsutil import atomic_write_json
       >>> path = os.path.join(tempfile.mkdtemp(), "stabljax-rollback.json")
       >>> atomic_write_json(path, {"rollbacks": 1})
       >>> json.load(open(path))
@@ -165,7 +165,7 @@ def read_text(path: str | os.PathLike, *, follow: bool = False) -> str:
         a fixed name inside a run directory is read with ``follow=False``).
 
     Raises:
-      UnsafePathError: ``path`` is a symlink (with ``follow=False``), a FIFO, a device or
+      stabljax.control.checkpoint.fsutil.UnsafePathError: ``path`` is a symlink (with ``follow=False``), a FIFO, a device or
         a folder: nothing is read from it, so a planted FIFO cannot block the reader.
       FileNotFoundError: ``path`` does not exist.
     """
@@ -192,14 +192,14 @@ def refuse_symlinks(directory: str | os.PathLike, names: Iterable[str]) -> None:
 
     Example:
       >>> import os, tempfile
-      >>> from stabljax.control.fsutil import refuse_symlinks
+      >>> from stabljax.control.checkpoint.fsutil import refuse_symlinks
       >>> d = tempfile.mkdtemp()
       >>> refuse_symlinks(d, ["events.jsonl"])
       >>> os.symlink("/tmp", os.path.join(d, "stabljax-trash"))
       >>> refuse_symlinks(d, ["events.jsonl", "stabljax-trash"])
       Traceback (most recent call last):
       ...
-      stabljax.control.fsutil.UnsafePathError: .../stabljax-trash is a symlink ...
+      stabljax.control.checkpoint.fsutil.UnsafePathError: .../stabljax-trash is a symlink ...
     """
     directory = os.fspath(directory)
     for name in names:

@@ -10,13 +10,13 @@ extended while their loss stays anomalous, up to ``max_skip`` batches. One rollb
 passes one bad window, and the skip event records the screened range and its losses.
 
 Only iterators that can fetch a batch by index (``batch_fn``, as
-:class:`~stabljax.control.data.IndexedBatches`) or move back (``can_rewind``: seekable
+:class:`~stabljax.control.data.iterators.IndexedBatches`) or move back (``can_rewind``: seekable
 Grain iterators) can be screened; for the others the skip stays the blind one.
 
 Example:
   >>> import jax.numpy as jnp
-  >>> from stabljax.control.data import IndexedBatches
-  >>> from stabljax.control.screen import screen_ahead
+  >>> from stabljax.control.data.iterators import IndexedBatches
+  >>> from stabljax.control.diagnose.screen import screen_ahead
   >>> data = IndexedBatches(lambda i: jnp.float32(9.0 if 3 <= i < 7 else 1.0), start=3)
   >>> step = lambda state, batch: (state, {"loss": batch})
   >>> s = screen_ahead(step, 0, data, is_anomalous=lambda loss: loss > 2, max_skip=10)
@@ -34,10 +34,10 @@ from typing import Any
 import jax
 
 from stabljax import metrics as keys
-from stabljax.control.items import device_snapshot
-from stabljax.control.policy import first_allowed
-from stabljax.control.store import all_agree, to_host
-from stabljax.control.triage import is_spike
+from stabljax.control.checkpoint.items import device_snapshot
+from stabljax.control.checkpoint.store import all_agree, to_host
+from stabljax.control.decide.policy import first_allowed
+from stabljax.control.diagnose.triage import is_spike
 
 SCREENED = ("screened", "screened_indices", "screened_losses", "screen_capped")  # event keys
 REFERENCE = 8  # healthy batches screened for the restored state's own loss level
@@ -92,7 +92,7 @@ def screen_ahead(
     Args:
       step_fn: the train step; it may donate its state (it gets a fresh copy each call).
       state: the restored state (not modified).
-      data: a :class:`~stabljax.control.data.DataIterator` at the restored position; it is
+      data: a :class:`~stabljax.control.data.iterators.DataIterator` at the restored position; it is
         back there on return.
       is_anomalous: ``loss -> bool``, the detector's verdict on a screened loss (a
         non-finite loss is always anomalous).
@@ -182,7 +182,7 @@ def extend_over_window(
     plan: Any, step_fn: Any, state: Any, data: Any, losses: Any, rule: Any, max_skip: int
 ) -> Any:
     """The controller's use of :func:`screen_ahead`: ``plan`` (a
-    :class:`~stabljax.control.policy.RollbackPlan`) extended over the batches past its
+    :class:`~stabljax.control.decide.policy.RollbackPlan`) extended over the batches past its
     skip whose loss is a spike (triage's rule ``rule``) against the finite, unskipped
     ``losses`` (``[step, loss, skipped]``) before the onset; unchanged for data that
     cannot be screened. On several processes every process screens in lockstep."""

@@ -120,7 +120,7 @@ def describe(remedy: Callable[..., Any] | None, info: RollbackInfo) -> dict[str,
     ``__name__``.
 
     Example:
-      >>> from stabljax.control.remedies import RollbackInfo, describe, lower_lr
+      >>> from stabljax.control.decide.remedies import RollbackInfo, describe, lower_lr
       >>> describe(lower_lr(0.5), RollbackInfo(30, 35, 1, (30, 40)))
       {'remedy': 'scale_hyperparam', 'params': {'factor': 0.5, 'name': 'learning_rate'}}
     """
@@ -169,7 +169,7 @@ def scale_hyperparam(factor: float, name: str = "learning_rate") -> Remedy:
 
     Example:
       >>> import jax.numpy as jnp, optax
-      >>> from stabljax.control.remedies import RollbackInfo, scale_hyperparam
+      >>> from stabljax.control.decide.remedies import RollbackInfo, scale_hyperparam
       >>> opt = optax.inject_hyperparams(optax.sgd)(learning_rate=0.1)
       >>> state = opt.init({"w": jnp.zeros(2)})
       >>> state = scale_hyperparam(0.5)(state, RollbackInfo(30, 35, 1, (30, 40)))
@@ -220,7 +220,7 @@ def lower_lr(factor: float = 0.5) -> Remedy:
     """Lowers the learning rate: :func:`scale_hyperparam` of ``"learning_rate"``.
 
     Example:
-      >>> from stabljax.control.remedies import lower_lr
+      >>> from stabljax.control.decide.remedies import lower_lr
       >>> lower_lr(0.25).params
       {'factor': 0.25, 'name': 'learning_rate'}
     """
@@ -239,7 +239,7 @@ def reset_second_moment() -> Remedy:
 
     Example:
       >>> import jax.numpy as jnp, optax
-      >>> from stabljax.control.remedies import RollbackInfo, reset_second_moment
+      >>> from stabljax.control.decide.remedies import RollbackInfo, reset_second_moment
       >>> opt = optax.adam(1e-3)
       >>> params = {"w": jnp.ones(2)}
       >>> state = opt.update(params, opt.init(params), params)[1]
@@ -278,7 +278,7 @@ def by_verdict(
     ``"inconclusive"``) or none (triage off).
 
     Example:
-      >>> from stabljax.control.remedies import RollbackInfo, by_verdict, describe
+      >>> from stabljax.control.decide.remedies import RollbackInfo, by_verdict, describe
       >>> info = RollbackInfo(30, 35, 1, (30, 40), verdict="state")
       >>> describe(by_verdict(), info)["applied"]["remedy"]
       'scale_hyperparam'
@@ -303,8 +303,8 @@ def chain_remedies(*remedies: Callable[..., Any]) -> Remedy:
     """Applies ``remedies`` in order, each to the previous one's result.
 
     Example:
-      >>> from stabljax.control.remedies import chain_remedies, lower_lr, reset_second_moment
-      >>> from stabljax.control.remedies import RollbackInfo, describe
+      >>> from stabljax.control.decide.remedies import chain_remedies, lower_lr, reset_second_moment
+      >>> from stabljax.control.decide.remedies import RollbackInfo, describe
       >>> chained = chain_remedies(lower_lr(0.5), reset_second_moment())
       >>> describe(chained, RollbackInfo(30, 35, 1, (30, 40)))["applied"][1]
       {'remedy': 'reset_second_moment', 'params': {}}

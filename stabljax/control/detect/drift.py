@@ -1,9 +1,9 @@
 """Detectors of divergence: :class:`DivergenceDetector` (non-finite losses, skip streaks, a
 stuck fp16 loss scale) and :class:`SlowDivergenceDetector` (a trend test on block means,
-:mod:`~stabljax.control.trends`); and :func:`default_detectors`.
+:mod:`~stabljax.control.detect.trends`); and :func:`default_detectors`.
 
-They share :class:`~stabljax.control.detectors.WatchesMetric` and
-:class:`~stabljax.control.detectors.Detection` with the spike detector.
+They share :class:`~stabljax.control.detect.detectors.WatchesMetric` and
+:class:`~stabljax.control.detect.detectors.Detection` with the spike detector.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from typing import Any, Literal
 
 import numpy as np
 
-from stabljax.control.detectors import (
+from stabljax.control.detect.detectors import (
     Detection,
     Detector,
     SpikeDetector,
@@ -24,7 +24,7 @@ from stabljax.control.detectors import (
     value_of,
     was_skipped,
 )
-from stabljax.control.trends import (
+from stabljax.control.detect.trends import (
     mann_kendall,
     normal_quantile,
     rank_acf,
@@ -78,7 +78,7 @@ class DivergenceDetector(WatchesMetric):
       metric: the metrics key watched for non-finite values.
       name: the key of this detector's state in a checkpoint.
       extra_keys: your own ``aux`` keys that ``metric`` may name
-        (:class:`~stabljax.control.detectors.WatchesMetric`).
+        (:class:`~stabljax.control.detect.detectors.WatchesMetric`).
 
     Example:
       >>> from stabljax.control import DivergenceDetector
@@ -318,7 +318,7 @@ class SlowDivergenceDetector(WatchesMetric):
       metric: the metrics key watched.
       name: the key of this detector's state in a checkpoint.
       extra_keys: your own ``aux`` keys that ``metric`` may name
-        (:class:`~stabljax.control.detectors.WatchesMetric`).
+        (:class:`~stabljax.control.detect.detectors.WatchesMetric`).
 
     Example:
       >>> from stabljax.control import SlowDivergenceDetector

@@ -29,7 +29,7 @@ import re
 from collections.abc import Callable, Mapping
 from typing import Any, Literal
 
-from stabljax.control import fsutil
+from stabljax.control.checkpoint import fsutil
 
 __all__ = [
     "EVENT_SCHEMA",
@@ -175,21 +175,21 @@ def loads_strict(text: str, *, what: str = "JSON", max_depth: int = MAX_DEPTH) -
       max_depth: the deepest nesting of arrays and objects accepted.
 
     Raises:
-      MalformedJSONError: ``text`` is not JSON, holds ``NaN``/``Infinity`` or a number out
+      stabljax.control.checkpoint.jsonio.MalformedJSONError: ``text`` is not JSON, holds ``NaN``/``Infinity`` or a number out
         of range, repeats a key, or nests deeper than ``max_depth``.
 
     Example:
-      >>> from stabljax.control.jsonio import loads_strict
+      >>> from stabljax.control.checkpoint.jsonio import loads_strict
       >>> loads_strict('{"step": 12, "loss": 0.5}')
       {'step': 12, 'loss': 0.5}
       >>> loads_strict('{"step": Infinity}', what="events.jsonl:3")
       Traceback (most recent call last):
       ...
-      stabljax.control.jsonio.MalformedJSONError: events.jsonl:3: Infinity is not a JSON number ...
+      stabljax.control.checkpoint.jsonio.MalformedJSONError: events.jsonl:3: Infinity is not a JSON number ...
       >>> loads_strict("[" * 100_000, what="x")
       Traceback (most recent call last):
       ...
-      stabljax.control.jsonio.MalformedJSONError: x: nested deeper than 64 levels
+      stabljax.control.checkpoint.jsonio.MalformedJSONError: x: nested deeper than 64 levels
     """
     if _depth(text) > max_depth:
         raise MalformedJSONError(f"{what}: nested deeper than {max_depth} levels")
@@ -243,11 +243,11 @@ def check_tree(value: Any, *, what: str = "JSON", max_depth: int = MAX_DEPTH) ->
     as :func:`loads_strict`, and returns it.
 
     Example:
-      >>> from stabljax.control.jsonio import check_tree
+      >>> from stabljax.control.checkpoint.jsonio import check_tree
       >>> check_tree({"step": float("nan")}, what="meta")
       Traceback (most recent call last):
       ...
-      stabljax.control.jsonio.MalformedJSONError: meta: a non-finite number (nan)
+      stabljax.control.checkpoint.jsonio.MalformedJSONError: meta: a non-finite number (nan)
     """
     if (p := _problem(value, 1, max_depth)) is not None:
         raise MalformedJSONError(f"{what}: {p}")
@@ -308,18 +308,18 @@ def check_record(
       ``record``.
 
     Raises:
-      MalformedJSONError: naming ``what``, the field and what it must be.
+      stabljax.control.checkpoint.jsonio.MalformedJSONError: naming ``what``, the field and what it must be.
 
     Example:
-      >>> from stabljax.control.jsonio import EVENT_SCHEMA, check_record
+      >>> from stabljax.control.checkpoint.jsonio import EVENT_SCHEMA, check_record
       >>> check_record({"kind": "save", "step": 12.7, "time": 0.0}, EVENT_SCHEMA, what="e:1")
       Traceback (most recent call last):
       ...
-      stabljax.control.jsonio.MalformedJSONError: e:1: 'step' must be an integer, got 12.7
+      stabljax.control.checkpoint.jsonio.MalformedJSONError: e:1: 'step' must be an integer, got 12.7
       >>> check_record([1, 2], EVENT_SCHEMA, what="e:2")
       Traceback (most recent call last):
       ...
-      stabljax.control.jsonio.MalformedJSONError: e:2: expected a JSON object, got an array
+      stabljax.control.checkpoint.jsonio.MalformedJSONError: e:2: expected a JSON object, got an array
     """
     if not isinstance(record, dict):
         got = {list: "an array", str: "a string", bool: "a boolean", type(None): "null"}
@@ -376,11 +376,11 @@ def read_jsonl(
       ``"PATH:LINE: what was wrong"``.
 
     Raises:
-      UnsafePathError: ``path`` is a symlink (unless ``follow``), a FIFO or a device.
+      stabljax.control.checkpoint.fsutil.UnsafePathError: ``path`` is a symlink (unless ``follow``), a FIFO or a device.
 
     Example:
       >>> import os, tempfile
-      >>> from stabljax.control.jsonio import METRICS_SCHEMA, read_jsonl
+      >>> from stabljax.control.checkpoint.jsonio import METRICS_SCHEMA, read_jsonl
       >>> path = os.path.join(tempfile.mkdtemp(), "metrics.jsonl")
       >>> _ = open(path, "w").write('{"step": 0, "loss": 2.5}\\n{"step": true}\\n[3]\\n')
       >>> rows, warnings = read_jsonl(path, METRICS_SCHEMA)
@@ -423,9 +423,9 @@ def read_json(
 
     Raises:
       FileNotFoundError: ``path`` does not exist.
-      MalformedJSONError: the file breaks the rules of :func:`loads_strict` or
+      stabljax.control.checkpoint.jsonio.MalformedJSONError: the file breaks the rules of :func:`loads_strict` or
         :func:`check_record` (the message starts with ``path``).
-      UnsafePathError: ``path`` is a symlink (unless ``follow``), a FIFO or a device.
+      stabljax.control.checkpoint.fsutil.UnsafePathError: ``path`` is a symlink (unless ``follow``), a FIFO or a device.
     """
     path = os.fspath(path)
     text = fsutil.read_text(path, follow=follow)
@@ -437,14 +437,14 @@ def read_rollback_record(path: str | os.PathLike) -> dict[str, Any] | None:
     """The rollback record at ``path`` (``stabljax-rollback.json``), or ``None`` if missing.
 
     Raises:
-      MalformedJSONError: the record is not valid (``"PATH: 'rollbacks' must be ..."``):
+      stabljax.control.checkpoint.jsonio.MalformedJSONError: the record is not valid (``"PATH: 'rollbacks' must be ..."``):
         a half-written record cannot exist (it is renamed into place), so a bad one was
         edited and must not be adopted.
-      UnsafePathError: ``path`` is a symlink, a FIFO or a device.
+      stabljax.control.checkpoint.fsutil.UnsafePathError: ``path`` is a symlink, a FIFO or a device.
 
     Example:
       >>> import json, os, tempfile
-      >>> from stabljax.control.jsonio import read_rollback_record
+      >>> from stabljax.control.checkpoint.jsonio import read_rollback_record
       >>> path = os.path.join(tempfile.mkdtemp(), "stabljax-rollback.json")
       >>> read_rollback_record(path) is None
       True
@@ -454,7 +454,7 @@ def read_rollback_record(path: str | os.PathLike) -> dict[str, Any] | None:
       >>> read_rollback_record(path)
       Traceback (most recent call last):
       ...
-      stabljax.control.jsonio.MalformedJSONError: ...: 'data_index' must be an integer ≥ 0, got 37.0
+      stabljax.control.checkpoint.jsonio.MalformedJSONError: ...: 'data_index' must be an integer ≥ 0, got 37.0
     """
     try:
         return read_json(path, RECORD_SCHEMA)
@@ -477,17 +477,17 @@ def read_meta(
       The meta as a dict.
 
     Raises:
-      MalformedJSONError: naming the file (or ``what``) and the field.
+      stabljax.control.checkpoint.jsonio.MalformedJSONError: naming the file (or ``what``) and the field.
       FileNotFoundError: the file does not exist.
 
     Example:
-      >>> from stabljax.control.jsonio import read_meta
+      >>> from stabljax.control.checkpoint.jsonio import read_meta
       >>> meta = {"version": 1, "step": 40, "data_index": 1e9, "skipped_ranges": [],
       ...         "rollbacks": 0}
       >>> read_meta(meta, what="checkpoint 40's meta")
       Traceback (most recent call last):
       ...
-      stabljax.control.jsonio.MalformedJSONError: checkpoint 40's meta: 'data_index' must be ...
+      stabljax.control.checkpoint.jsonio.MalformedJSONError: checkpoint 40's meta: 'data_index' must be ...
     """
     if isinstance(source, Mapping):
         return check_record(check_tree(dict(source), what=what), META_SCHEMA, what=what)

@@ -5,9 +5,9 @@
   a detector reads is one the step writes.
 * :class:`SpikeDetector`: a loss above a robust (median/MAD) threshold of recent values.
 
-:mod:`~stabljax.control.drift` has the divergence detectors (``DivergenceDetector``,
-``SlowDivergenceDetector``) and ``default_detectors``; :mod:`~stabljax.control.trends` the
-trend tests (:func:`mann_kendall` and :func:`sen_slope` are re-exported here).
+:mod:`~stabljax.control.detect.drift` has the divergence detectors (``DivergenceDetector``,
+``SlowDivergenceDetector``) and ``default_detectors``; :mod:`~stabljax.control.detect.trends` the
+trend tests they use.
 
 A detector only reports; whether a detection rolls back is its ``action``
 (:attr:`Detection.rolls_back`), and the controller acts on it in one place
@@ -24,9 +24,7 @@ from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
 
-from stabljax.control.policy import Action as Action
-from stabljax.control.trends import mann_kendall as mann_kendall
-from stabljax.control.trends import sen_slope as sen_slope
+from stabljax.control.decide.policy import Action
 from stabljax.metrics import LOSS, OVERFLOW, SKIPPED, check_key
 from stabljax.optim._base import validate
 
@@ -255,7 +253,7 @@ class SpikeDetector(WatchesMetric):
       metric: the metrics key watched.
       name: the key of this detector's state in a checkpoint.
       extra_keys: your own ``aux`` keys that ``metric`` may name
-        (:class:`~stabljax.control.detectors.WatchesMetric`).
+        (:class:`~stabljax.control.detect.detectors.WatchesMetric`).
 
     Example:
       >>> from stabljax.control import SpikeDetector
@@ -490,6 +488,4 @@ __all__ = (
     "Detector",
     "SpikeDetector",
     "WatchesMetric",
-    "mann_kendall",
-    "sen_slope",
 )
