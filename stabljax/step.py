@@ -46,10 +46,10 @@ import optax
 from jax.sharding import NamedSharding, PartitionSpec
 
 from stabljax import metrics, telemetry
+from stabljax.base import all_finite, global_norm_f32, with_extra_args
 from stabljax.losses import LossFn, lm_loss
 from stabljax.nnx_bridge import nnx_apply, nnx_merge
-from stabljax.optim import guards
-from stabljax.optim._base import all_finite, global_norm_f32, with_extra_args
+from stabljax.optim.guards.skips import any_skipped, skip_streak, spike_rebaselines
 from stabljax.optim.qk_clip import QKLayer, check_layers, qk_logit_proxy
 from stabljax.precision import LossScaleState, Precision, scale_loss, unscale_grads
 
@@ -386,8 +386,8 @@ def _step_metrics(
         metrics.UPDATE_NORM: global_norm_f32(updates),
         metrics.PARAM_NORM: global_norm_f32(state.params),
         metrics.SKIPPED: skipped,
-        metrics.SKIP_STREAK: jnp.asarray(guards.skip_streak(opt_state), jnp.int32),
-        metrics.SPIKE_REBASELINES: guards.spike_rebaselines(opt_state),
+        metrics.SKIP_STREAK: jnp.asarray(skip_streak(opt_state), jnp.int32),
+        metrics.SPIKE_REBASELINES: spike_rebaselines(opt_state),
         metrics.OVERFLOW: overflow,
         metrics.LOSS_SCALE: scale,
     }
@@ -520,7 +520,7 @@ def make_train_step(
         new_ls_state = None if ls_state is None else dls.adjust(ls_state, jnp.logical_not(overflow))
 
         # On an overflow the optimizer did not run: its flags are the previous step's.
-        skipped = jnp.logical_and(jnp.logical_not(overflow), guards.any_skipped(opt_state))
+        skipped = jnp.logical_and(jnp.logical_not(overflow), any_skipped(opt_state))
         keep = jnp.logical_or(skipped, overflow)
         if state.model_state is not None:
             new_model_state = _select(keep, state.model_state, new_model_state)

@@ -19,7 +19,7 @@ import pytest
 from helpers import mesh8, shard_leading
 
 import stabljax
-from stabljax.optim.guards import any_skipped, skip_nonfinite, skip_spikes
+from stabljax.optim.guards.skips import any_skipped, skip_nonfinite, skip_spikes
 
 N = 12  # micro-batches
 NAN_AT = 5  # the NaN micro-batch: inside the third window for k = 2

@@ -22,7 +22,7 @@ from stabljax.control import (
     read_events,
 )
 from stabljax.control.detect.monitor import Monitor
-from stabljax.optim.guards import skip_nonfinite, skip_spikes
+from stabljax.optim.guards.skips import skip_nonfinite, skip_spikes
 from stabljax.report import page
 from stabljax.step import TrainState
 
