@@ -370,6 +370,45 @@ def _spike_gather(rule, state, decision, skip: jax.Array, spike: jax.Array):
     return out
 
 
+def _checked_args(
+    nonfinite: bool | Sequence[str], spikes: SpikeRule | None, check_update: bool
+) -> tuple[str, ...]:
+    """``skip_step``'s ``nonfinite`` as a tuple of names; raises on a bad or empty setting."""
+    if nonfinite is True or nonfinite is False:
+        nonfinite = WATCHABLE if nonfinite else ()
+    elif isinstance(nonfinite, str) or not isinstance(nonfinite, Sequence):
+        raise ValueError(f"skip_step: `nonfinite` must be a bool or a tuple; got {nonfinite!r}.")
+    nonfinite = tuple(nonfinite)
+    if any(n not in WATCHABLE for n in nonfinite):
+        raise ValueError(
+            f"skip_step: `nonfinite` names must be from {WATCHABLE}; got {nonfinite!r}."
+        )
+    if spikes is not None and not isinstance(spikes, SpikeRule):
+        raise TypeError(f"skip_step: `spikes` must be a SpikeRule or None; got {spikes!r}.")
+    if not nonfinite and spikes is None and not check_update:
+        raise ValueError(
+            "skip_step: nothing to check; set nonfinite=True, a spike rule or check_update=True."
+        )
+    return nonfinite
+
+
+def _watched(rule: SpikeRule, norm: jax.Array, ell: jax.Array | None) -> jax.Array:
+    """The values ``rule`` watches, in its order; raises if it watches a loss not given."""
+    xs = []
+    for name in rule.watch:
+        if name == "grad_norm":
+            xs.append(norm)
+        elif ell is None:
+            raise ValueError(
+                "skip_spikes watches 'loss' but update() got no objective: pass the "
+                "step's loss as update(..., value=loss), or construct the guard with "
+                "watch=('grad_norm',)."
+            )
+        else:
+            xs.append(ell)
+    return jnp.stack(xs)
+
+
 def skip_step(
     inner: optax.GradientTransformation,
     *,
@@ -449,21 +488,7 @@ def skip_step(
       False 0 [-0.1 -0.1]
     """
     owner = "skip_spikes" if spikes is not None else "skip_nonfinite"
-    if nonfinite is True or nonfinite is False:
-        nonfinite = WATCHABLE if nonfinite else ()
-    elif isinstance(nonfinite, str) or not isinstance(nonfinite, Sequence):
-        raise ValueError(f"skip_step: `nonfinite` must be a bool or a tuple; got {nonfinite!r}.")
-    nonfinite = tuple(nonfinite)
-    if any(n not in WATCHABLE for n in nonfinite):
-        raise ValueError(
-            f"skip_step: `nonfinite` names must be from {WATCHABLE}; got {nonfinite!r}."
-        )
-    if spikes is not None and not isinstance(spikes, SpikeRule):
-        raise TypeError(f"skip_step: `spikes` must be a SpikeRule or None; got {spikes!r}.")
-    if not nonfinite and spikes is None and not check_update:
-        raise ValueError(
-            "skip_step: nothing to check; set nonfinite=True, a spike rule or check_update=True."
-        )
+    nonfinite = _checked_args(nonfinite, spikes, check_update)
     _check_axis_name(owner, axis_name)
     inner = with_extra_args(inner)
 
@@ -506,19 +531,7 @@ def skip_step(
         if check_update:
             skip = jnp.logical_or(skip, jnp.logical_not(all_finite(new_updates)))
         if spikes is not None:
-            xs = []
-            for name in spikes.watch:
-                if name == "grad_norm":
-                    xs.append(norm)
-                elif ell is None:
-                    raise ValueError(
-                        "skip_spikes watches 'loss' but update() got no objective: pass the "
-                        "step's loss as update(..., value=loss), or construct the guard with "
-                        "watch=('grad_norm',)."
-                    )
-                else:
-                    xs.append(ell)
-            x = jnp.stack(xs)
+            x = _watched(spikes, norm, ell)
             decision = _spike_decision(spikes, state, x)
             spike = decision[0]
             skip = jnp.logical_or(
