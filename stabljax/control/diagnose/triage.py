@@ -52,11 +52,11 @@ from typing import Any
 import jax
 import numpy as np
 
-from stabljax import metrics as keys
 from stabljax.control.checkpoint.items import device_snapshot
 from stabljax.control.checkpoint.store import CheckpointStore, all_agree, to_host
 from stabljax.control.decide.policy import first_allowed
 from stabljax.control.diagnose import attribution
+from stabljax.metrics import GRAD_NORM, LOSS
 
 VERDICTS = ("nondeterministic", "data", "state", "inconclusive")
 PHASES = ("restored", "rerun", "earlier", "culprit")
@@ -295,16 +295,16 @@ class _Replayer:
 
     def _fetch(self, phase: str, pending, keep: bool) -> list[dict[str, Any]]:
         out = []
-        wanted = (keys.LOSS, keys.GRAD_NORM)
+        wanted = (LOSS, GRAD_NORM)
         for step, index, metrics in pending:
             host = _host(metrics if keep else {k: metrics[k] for k in wanted if k in metrics})
             if self.cfg._fault_hook is not None:
                 host = self.cfg._fault_hook(phase, step, host)
-            loss, gnorm = host.get(keys.LOSS), host.get(keys.GRAD_NORM)
+            loss, gnorm = host.get(LOSS), host.get(GRAD_NORM)
             entry = {"phase": phase, "step": step, "index": index, "loss": loss}
             entry["grad_norm"] = gnorm
             self.log.append(entry)
-            out.append(host if keep else {keys.LOSS: loss, keys.GRAD_NORM: gnorm})
+            out.append(host if keep else {LOSS: loss, GRAD_NORM: gnorm})
         return out
 
     def one(self, phase: str, state: Any, step: int, index: int) -> dict[str, Any]:
@@ -312,7 +312,7 @@ class _Replayer:
 
 
 def _loss(m: Mapping[str, Any]) -> float:
-    v = m.get(keys.LOSS)
+    v = m.get(LOSS)
     return float("nan") if v is None else float(v)
 
 
@@ -344,14 +344,14 @@ def _nondeterminism(
     onset step (loss and grad norm), and the replay the run, within ``cfg.rtol``.
     """
     last = replayed[-1]
-    same = _close(rerun.get(keys.LOSS), last.get(keys.LOSS), cfg.rtol) and _close(
-        rerun.get(keys.GRAD_NORM), last.get(keys.GRAD_NORM), cfg.rtol
+    same = _close(rerun.get(LOSS), last.get(LOSS), cfg.rtol) and _close(
+        rerun.get(GRAD_NORM), last.get(GRAD_NORM), cfg.rtol
     )
     if not same:
         return (
             f"the onset step {onset} re-run from the same state and batch gave loss "
-            f"{rerun.get(keys.LOSS)!r} / grad norm {rerun.get(keys.GRAD_NORM)!r}, first "
-            f"{last.get(keys.LOSS)!r} / {last.get(keys.GRAD_NORM)!r}"
+            f"{rerun.get(LOSS)!r} / grad norm {rerun.get(GRAD_NORM)!r}, first "
+            f"{last.get(LOSS)!r} / {last.get(GRAD_NORM)!r}"
         )
     losses = [_loss(m) for m in replayed]
     mismatch = [
