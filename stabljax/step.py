@@ -49,6 +49,7 @@ from stabljax import metrics, telemetry
 from stabljax.base import all_finite, global_norm_f32, with_extra_args
 from stabljax.losses import LossFn, lm_loss
 from stabljax.nnx_bridge import nnx_apply, nnx_merge
+from stabljax.optim.guards.multisteps import check_multisteps_placement
 from stabljax.optim.guards.skips import any_skipped, skip_streak, spike_rebaselines
 from stabljax.optim.qk_clip import QKLayer, check_layers, qk_logit_proxy
 from stabljax.precision import LossScaleState, Precision, scale_loss, unscale_grads
@@ -195,6 +196,11 @@ class TrainState:
         Returns:
           A :class:`TrainState` with ``step == 0``.
 
+        Raises:
+          ValueError: if a stabljax guard in ``optimizer`` sits inside an
+            ``optax.MultiSteps`` that keeps non-finite micro-batches
+            (:func:`stabljax.optim.guards.multisteps.check_multisteps_placement`).
+
         Example:
           >>> import jax, jax.numpy as jnp, optax
           >>> from stabljax.step import TrainState
@@ -205,6 +211,7 @@ class TrainState:
         """
         params = precision.cast_to_param(params)
         opt_state = optimizer.init(params)
+        check_multisteps_placement(opt_state)  # a guard inside an unsafe optax.MultiSteps
         ls_state = precision.init_loss_scale()
         fields = dict(
             step=jnp.zeros([], jnp.int32),

@@ -493,13 +493,13 @@ def skip_step(
     inner = with_extra_args(inner)
 
     def init_fn(params: optax.Params) -> SkipNonfiniteState | SkipSpikesState:
-        # Read by a guard's check below this one (inside an optax.MultiSteps it wraps).
-        drops_nonfinite_gradients = "grad_norm" in nonfinite  # noqa: F841
-        check_multisteps_placement(owner)
+        inner_state = inner.init(params)
+        if "grad_norm" not in nonfinite:  # else it drops a NaN micro-batch before MultiSteps
+            check_multisteps_placement(inner_state, owner)
         flags = (jnp.zeros([], jnp.bool_), jnp.zeros([], jnp.int32), jnp.zeros([], jnp.int32))
         if spikes is None:
-            return SkipNonfiniteState(inner.init(params), *flags)
-        return SkipSpikesState(inner.init(params), *flags, **_spike_init(spikes))
+            return SkipNonfiniteState(inner_state, *flags)
+        return SkipSpikesState(inner_state, *flags, **_spike_init(spikes))
 
     def update_fn(
         updates: optax.Updates,

@@ -29,7 +29,11 @@ from stabljax.optim.guards.core import (
     SpikeRule,
     skip_step,
 )
-from stabljax.optim.guards.multisteps import MICRO_BATCH_SKIPPED, skip_nonfinite_micro_batch
+from stabljax.optim.guards.multisteps import (
+    MICRO_BATCH_SKIPPED,
+    check_multisteps_placement,
+    skip_nonfinite_micro_batch,
+)
 
 __all__ = [
     "SkipNonfiniteState",
@@ -253,6 +257,11 @@ def any_skipped(opt_state: optax.OptState) -> jax.Array:
     Returns:
       A bool scalar ``jax.Array``; False when the state holds no guard.
 
+    Raises:
+      ValueError: if a guard in ``opt_state`` sits inside an ``optax.MultiSteps`` that keeps
+        non-finite micro-batches (its flags would say "skipped" at every later step; see
+        :func:`~stabljax.optim.guards.multisteps.check_multisteps_placement`).
+
     Example:
       >>> import jax.numpy as jnp
       >>> import optax
@@ -263,6 +272,7 @@ def any_skipped(opt_state: optax.OptState) -> jax.Array:
       >>> print(bool(any_skipped(state)), bool(any_skipped(optax.adam(1e-3).init(jnp.zeros(2)))))
       True False
     """
+    check_multisteps_placement(opt_state)
     names = ("nonfinite_skipped", "spike_skipped", MICRO_BATCH_SKIPPED, "should_skip")
     flags = [jnp.any(v) for v in _found(opt_state, names)]
     return functools.reduce(jnp.logical_or, flags, jnp.zeros([], jnp.bool_))
