@@ -55,18 +55,18 @@ from stabljax.optim.clipping import clip_by_adagc as clip_by_adagc
 from stabljax.optim.clipping import clip_by_percentile as clip_by_percentile
 from stabljax.optim.clipping import clip_by_zscore as clip_by_zscore
 from stabljax.optim.clipping import clip_spikes_per_coordinate as clip_spikes_per_coordinate
-from stabljax.optim.guard_core import SkipNonfiniteState as SkipNonfiniteState
-from stabljax.optim.guard_core import SkipSpikesState as SkipSpikesState
-from stabljax.optim.guard_core import SpikeRule as SpikeRule
-from stabljax.optim.guard_core import skip_step as skip_step
-from stabljax.optim.guard_multisteps import (
+from stabljax.optim.guards.core import SkipNonfiniteState as SkipNonfiniteState
+from stabljax.optim.guards.core import SkipSpikesState as SkipSpikesState
+from stabljax.optim.guards.core import SpikeRule as SpikeRule
+from stabljax.optim.guards.core import skip_step as skip_step
+from stabljax.optim.guards.multisteps import (
     skip_nonfinite_micro_batch as skip_nonfinite_micro_batch,
 )
-from stabljax.optim.guards import any_skipped as any_skipped
-from stabljax.optim.guards import skip_nonfinite as skip_nonfinite
-from stabljax.optim.guards import skip_spikes as skip_spikes
-from stabljax.optim.guards import skip_streak as skip_streak
-from stabljax.optim.guards import spike_rebaselines as spike_rebaselines
+from stabljax.optim.guards.skips import any_skipped as any_skipped
+from stabljax.optim.guards.skips import skip_nonfinite as skip_nonfinite
+from stabljax.optim.guards.skips import skip_spikes as skip_spikes
+from stabljax.optim.guards.skips import skip_streak as skip_streak
+from stabljax.optim.guards.skips import spike_rebaselines as spike_rebaselines
 from stabljax.optim.qk_clip import QKClipState as QKClipState
 from stabljax.optim.qk_clip import QKHeads as QKHeads
 from stabljax.optim.qk_clip import QKLayer as QKLayer

@@ -21,8 +21,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from stabljax import metrics
-from stabljax.optim._base import all_finite, path_str
-from stabljax.optim._base import global_norm_f32 as global_norm
+from stabljax.base import all_finite, path_str
+from stabljax.base import global_norm_f32 as global_norm
 
 __all__ = (
     "adam_eps_report",

@@ -233,7 +233,7 @@ def test_the_import_check_catches_what_it_forbids(tmp_path, monkeypatch):
     (tmp_path / "bad.py").write_text(
         "import stabljax\n"
         "from stabljax import step\n"
-        "from stabljax.optim._base import _TRACER_ERRORS\n"
+        "from stabljax.base import _TRACER_ERRORS\n"
         "from stabljax.step import nnx_apply\n"
         "step._FP32, stabljax.step._FP32\n"
     )

@@ -49,7 +49,7 @@ from stabljax.control import (
     read_events,
 )
 from stabljax.control.decide.policy import first_allowed
-from stabljax.optim.guards import skip_nonfinite, skip_spikes
+from stabljax.optim.guards.skips import skip_nonfinite, skip_spikes
 
 STATE0, STEP = toy_problem()
 

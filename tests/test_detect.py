@@ -19,7 +19,7 @@ from stabljax.control.detect.drift import (
     default_detectors,
 )
 from stabljax.control.detect.trends import mann_kendall, mann_kendall_hamed_rao, sen_slope
-from stabljax.optim.guards import any_skipped, skip_nonfinite, skip_spikes, skip_streak
+from stabljax.optim.guards.skips import any_skipped, skip_nonfinite, skip_spikes, skip_streak
 
 
 def _median_mad_reference(xs):

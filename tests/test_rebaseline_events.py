@@ -22,8 +22,8 @@ from stabljax.control import (
     read_events,
 )
 from stabljax.control.detect.monitor import Monitor
-from stabljax.optim.guards import skip_nonfinite, skip_spikes
-from stabljax.report import page
+from stabljax.optim.guards.skips import skip_nonfinite, skip_spikes
+from stabljax.report import page, read
 from stabljax.step import TrainState
 
 SHIFT_AT = 55  # data index where the loss level triples for good
@@ -114,7 +114,7 @@ def test_rebaseline_event_names_the_step_the_guard_reports(tmp_path, rises):
     lines = (tmp_path / "events.jsonl").read_text().splitlines()
     assert all(json.loads(line)["schema"] == SCHEMA_VERSION == "1.1" for line in lines)
     # The run report lists it in its summary.
-    summary = page.summary(page.load_run(tmp_path))
+    summary = page.summary(read.load_run(tmp_path))
     assert summary["level shifts the guards accepted (rebaseline)"] == f"step {rises[0][0]}"
 
 

@@ -268,7 +268,7 @@ class RollbackController:
         if self._closed:
             self._open()
         self._stepped = None
-        self._data = as_data_iterator(data)
+        self._data = as_data_iterator(data, stacklevel=2)  # warns at the user's line
         if self.triage is not None and self.triage.narrow_skip and not self._data.can_rewind:
             raise ValueError(
                 f"TriageConfig(narrow_skip=True) moves the data back to the restored "

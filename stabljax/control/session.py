@@ -360,7 +360,8 @@ def drive(
     if exhausted:
         step = ctl.current_step
         ctl._log("data_exhausted", step, data_index=data.index, target=target)
-        warn(f"the data ran out at step {step} (index {data.index}) of {target}")
+        # drive < ctl.run < the user
+        warn(f"the data ran out at step {step} (index {data.index}) of {target}", stacklevel=3)
     return state, data, preempted, exhausted
 
 

@@ -19,7 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from stabljax.optim._base import (
+from stabljax.base import (
     all_finite,
     global_norm_f32,
     is_nonneg_int,

@@ -394,7 +394,8 @@ class CheckpointStore:
                 warn(
                     f"{self.directory / str(s)} is named like a checkpoint step but holds "
                     "none of stabljax's (no Orbax commit marker, no meta item): it is left "
-                    "in place, never read, moved or deleted"
+                    "in place, never read, moved or deleted",
+                    stacklevel=3,  # warn_foreign < ctl.restore_or_init < the user
                 )
 
     def read_meta(self, step: int) -> dict[str, Any]:

@@ -257,6 +257,8 @@ class PlainIterator(DataIterator):
       iterator: any iterable; ``iter()`` is called on it.
       start: the index of its first batch.
       warn: emit the "skipping drains" warning on construction.
+      stacklevel: where the warning points, as :func:`warnings.warn`'s (1: the line
+        constructing it).
 
     Example:
       >>> import warnings
@@ -269,7 +271,9 @@ class PlainIterator(DataIterator):
       (5, 6)
     """
 
-    def __init__(self, iterator: Iterable[Any], *, start: int = 0, warn: bool = True):
+    def __init__(
+        self, iterator: Iterable[Any], *, start: int = 0, warn: bool = True, stacklevel: int = 1
+    ):
         super().__init__(start=start)
         self.source = iterator
         self._it = iter(iterator)
@@ -277,7 +281,8 @@ class PlainIterator(DataIterator):
             warn_user(
                 f"{type(iterator).__name__} is a plain iterator: skipping bad batches and "
                 "restoring the data position will consume (drain) every batch passed. Use "
-                "stabljax.control.IndexedBatches or a Grain iterator to skip in O(1)."
+                "stabljax.control.IndexedBatches or a Grain iterator to skip in O(1).",
+                stacklevel=stacklevel + 1,
             )
 
     @property
@@ -306,6 +311,8 @@ class GrainDatasetIterator(DataIterator):
 
     Args:
       iterator: a ``grain.DatasetIterator``.
+      stacklevel: where the drain warning points, as :func:`warnings.warn`'s (1: the
+        line constructing it).
 
     Example:
       >>> import grain
@@ -316,7 +323,7 @@ class GrainDatasetIterator(DataIterator):
       ([40, 41, 42, 43], 11)
     """
 
-    def __init__(self, iterator: grain.DatasetIterator):
+    def __init__(self, iterator: grain.DatasetIterator, *, stacklevel: int = 1):
         if not isinstance(iterator, grain.DatasetIterator):
             raise TypeError(f"expected a grain.DatasetIterator, got {type(iterator).__name__}")
         self.source = iterator
@@ -327,7 +334,10 @@ class GrainDatasetIterator(DataIterator):
             start, self._seekable = 0, False
         super().__init__(start=start)
         if not self._seekable:
-            warn_user(f"{iterator} cannot seek (filter/packing): skipping will drain it.")
+            warn_user(
+                f"{iterator} cannot seek (filter/packing): skipping will drain it.",
+                stacklevel=stacklevel + 1,
+            )
 
     @property
     def skip_is_cheap(self) -> bool:
@@ -415,6 +425,8 @@ class GrainLoaderIterator(DataIterator):
       start: the index of the next batch (the number already consumed); by default
         derived from Grain's state when the operations allow it (else 0), so an iterator
         restored from the trainer's own checkpoint before wrapping keeps its position.
+      stacklevel: where the drain warning points, as :func:`warnings.warn`'s (1: the
+        line constructing it).
 
     Example:
       >>> import grain
@@ -432,7 +444,12 @@ class GrainLoaderIterator(DataIterator):
     """
 
     def __init__(
-        self, iterator: grain.DataLoaderIterator, *, loader: Any = None, start: int | None = None
+        self,
+        iterator: grain.DataLoaderIterator,
+        *,
+        loader: Any = None,
+        start: int | None = None,
+        stacklevel: int = 1,
     ):
         if not isinstance(iterator, grain.DataLoaderIterator):
             raise TypeError(f"expected a grain.DataLoaderIterator, got {type(iterator).__name__}")
@@ -448,7 +465,8 @@ class GrainLoaderIterator(DataIterator):
         if self._batch is None:
             warn_user(
                 f"this grain.DataLoader's operations {', '.join(self._draining)} change the "
-                "number of records: skipping will drain it."
+                "number of records: skipping will drain it.",
+                stacklevel=stacklevel + 1,
             )
         elif start is None:  # an iterator restored or advanced before it was wrapped
             self._index = self._batches_consumed()
@@ -539,7 +557,7 @@ class GrainLoaderIterator(DataIterator):
         return f"GrainLoaderIterator(index={self._index})"
 
 
-def as_data_iterator(data: Any) -> DataIterator:
+def as_data_iterator(data: Any, *, stacklevel: int = 1) -> DataIterator:
     """Adapts ``data`` to a :class:`DataIterator`.
 
     A :class:`DataIterator` is returned as is; a Grain ``DatasetIterator`` or
@@ -550,6 +568,8 @@ def as_data_iterator(data: Any) -> DataIterator:
 
     Args:
       data: the training data.
+      stacklevel: where a drain warning points, as :func:`warnings.warn`'s (1: the line
+        calling this).
 
     Returns:
       A :class:`DataIterator`.
@@ -563,17 +583,17 @@ def as_data_iterator(data: Any) -> DataIterator:
     if isinstance(data, DataIterator):
         return data
     if isinstance(data, grain.DataLoader):
-        return GrainLoaderIterator(iter(data), loader=data)
+        return GrainLoaderIterator(iter(data), loader=data, stacklevel=stacklevel + 1)
     if isinstance(data, grain.DataLoaderIterator):
-        return GrainLoaderIterator(data)
+        return GrainLoaderIterator(data, stacklevel=stacklevel + 1)
     if isinstance(data, grain.MapDataset | grain.IterDataset):
-        return GrainDatasetIterator(iter(data))
+        return GrainDatasetIterator(iter(data), stacklevel=stacklevel + 1)
     if isinstance(data, grain.DatasetIterator):
-        return GrainDatasetIterator(data)
+        return GrainDatasetIterator(data, stacklevel=stacklevel + 1)
     if callable(data) and not hasattr(data, "__iter__"):
         raise TypeError(
             "data is a function: wrap it as IndexedBatches(batch_fn) to train on batch_fn(i)"
         )
     if not hasattr(data, "__iter__"):
         raise TypeError(f"data must be an iterable of batches, got {type(data).__name__}")
-    return PlainIterator(data)
+    return PlainIterator(data, stacklevel=stacklevel + 1)

@@ -24,9 +24,9 @@ from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
 
+from stabljax.base import validate
 from stabljax.control.decide.policy import Action
 from stabljax.metrics import LOSS, OVERFLOW, SKIPPED, check_key
-from stabljax.optim._base import validate
 
 # --------------------------------------------------------------------------------------- detection
 # What every detector shares: :class:`Detection`, the :class:`Detector` protocol, helpers.
@@ -142,12 +142,12 @@ class WatchesMetric:
 
 
 def int_at_least(low: int):
-    """A :func:`~stabljax.optim._base.validate` predicate: an integer scalar >= ``low``."""
+    """A :func:`~stabljax.base.validate` predicate: an integer scalar >= ``low``."""
     return lambda a: a.ndim == 0 and a.dtype.kind in "iu" and a >= low
 
 
 def one_of(*choices: str):
-    """A :func:`~stabljax.optim._base.validate` predicate: one of ``choices``."""
+    """A :func:`~stabljax.base.validate` predicate: one of ``choices``."""
     return lambda a: a.ndim == 0 and a.dtype.kind == "U" and str(a) in choices
 
 

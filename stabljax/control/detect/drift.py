@@ -14,6 +14,7 @@ from typing import Any, Literal
 
 import numpy as np
 
+from stabljax.base import validate
 from stabljax.control.detect.detectors import (
     Detection,
     Detector,
@@ -32,7 +33,6 @@ from stabljax.control.detect.trends import (
     variance_ratio,
 )
 from stabljax.metrics import LOSS, LOSS_SCALE, OVERFLOW, SKIP_STREAK, SKIPPED
-from stabljax.optim._base import validate
 
 # -------------------------------------------------------------------------------------- divergence
 # The divergence detector: a non-finite loss, a long skip streak, a stuck loss scale.

@@ -146,7 +146,7 @@ class Monitor:
                 **d.details,
             )
             if d.action == "warn":
-                warn(d.reason)
+                warn(d.reason, stacklevel=4)  # observe < _process < ctl.step < the user
         return found
 
     def _observe_rebaselines(self, step: int, host: Mapping[str, Any]) -> None:

@@ -15,7 +15,7 @@ from typing import Any
 
 import numpy as np
 
-from stabljax.optim._base import validate
+from stabljax.base import validate
 
 
 def mann_kendall(x: Any) -> tuple[float, float, float]:

@@ -41,7 +41,17 @@ from typing import Any
 
 import numpy as np
 
-from stabljax import metrics as keys
+from stabljax.metrics import (
+    GRAD_NORM,
+    LAYER_GRAD_NORM,
+    LAYERS,
+    LOG_Z,
+    LOSS_SCALE,
+    MAX_ATTN_LOGIT,
+    OVERFLOW,
+    SKIP_STREAK,
+    SKIPPED,
+)
 
 EPS_DOMINATED = "eps_dominated"  # host-side: {path: fraction of sqrt(v_hat) < eps}
 CLIP_KEYS = (
@@ -106,12 +116,10 @@ def first_jump(
       >>> j["layer"], j["ratio"], j["largest"]
       ('b', 30.0, 'c')
     """
-    now = onset.get(keys.LAYERS, {}).get(keys.LAYER_GRAD_NORM, {})
+    now = onset.get(LAYERS, {}).get(LAYER_GRAD_NORM, {})
     ratios = []
     for path, value in now.items():
-        past = _finite(
-            [m.get(keys.LAYERS, {}).get(keys.LAYER_GRAD_NORM, {}).get(path) for m in history]
-        )
+        past = _finite([m.get(LAYERS, {}).get(LAYER_GRAD_NORM, {}).get(path) for m in history])
         base = _median(past)
         v = _finite([value])
         if base is None or not v:
@@ -134,8 +142,8 @@ def _hint(cause: str, evidence: str, **numbers: Any) -> dict[str, Any]:
 
 def attention_hint(history, onset) -> dict[str, Any] | None:
     """Attention-logit growth → qk-layernorm (Wortsman et al.)."""
-    now = _finite([onset.get(keys.MAX_ATTN_LOGIT)])
-    base = _median(_series(history, keys.MAX_ATTN_LOGIT))
+    now = _finite([onset.get(MAX_ATTN_LOGIT)])
+    base = _median(_series(history, MAX_ATTN_LOGIT))
     if not now or base is None or base <= 0:
         return None
     growth = now[0] / base
@@ -147,10 +155,10 @@ def attention_hint(history, onset) -> dict[str, Any] | None:
 
 def log_z_hint(history, onset) -> dict[str, Any] | None:
     """Output-logit (log Z) drift → z-loss (PaLM; Wortsman et al.)."""
-    now = _finite([onset.get(keys.LOG_Z)])
+    now = _finite([onset.get(LOG_Z)])
     if not now:
         return None
-    base = _median(_series(history, keys.LOG_Z))
+    base = _median(_series(history, LOG_Z))
     drift = None if base is None else now[0] - base
     if abs(now[0]) >= LOG_Z_HIGH or (drift is not None and abs(drift) >= LOG_Z_DRIFT):
         shown = "" if drift is None else f", drift {drift:+.3g} from baseline median {base:.4g}"
@@ -179,8 +187,8 @@ def eps_hint(onset, eps_fraction: Mapping[str, float] | None) -> dict[str, Any] 
 
 def outlier_hint(history, onset) -> dict[str, Any] | None:
     """One step's grad norm far above a stable baseline → the batch: skip the data."""
-    now = _finite([onset.get(keys.GRAD_NORM)])
-    past = _series(history, keys.GRAD_NORM)
+    now = _finite([onset.get(GRAD_NORM)])
+    past = _series(history, GRAD_NORM)
     if not now or len(past) < 3:
         return None
     med = float(np.median(past))
@@ -193,7 +201,7 @@ def outlier_hint(history, onset) -> dict[str, Any] | None:
 
 def trend_hint(history, onset) -> dict[str, Any] | None:
     """A steadily rising baseline grad norm → the LR or warmup, not one batch."""
-    past = _series(history, keys.GRAD_NORM)
+    past = _series(history, GRAD_NORM)
     n = len(past)
     if n < MIN_BASELINE:
         return None
@@ -214,11 +222,11 @@ def trend_hint(history, onset) -> dict[str, Any] | None:
 def signals(history, onset) -> dict[str, Any]:
     """The onset's guard, overflow and clip counters, the loss scale, and window totals."""
     out: dict[str, Any] = {}
-    for k in (keys.SKIPPED, keys.SKIP_STREAK, keys.OVERFLOW, keys.LOSS_SCALE, *CLIP_KEYS):
+    for k in (SKIPPED, SKIP_STREAK, OVERFLOW, LOSS_SCALE, *CLIP_KEYS):
         if onset.get(k) is not None:
             out[k] = onset[k]
     steps = [*history, onset]
-    for k, name in ((keys.SKIPPED, "skips_in_window"), (keys.OVERFLOW, "overflows_in_window")):
+    for k, name in ((SKIPPED, "skips_in_window"), (OVERFLOW, "overflows_in_window")):
         if any(m.get(k) is not None for m in steps):
             out[name] = int(sum(bool(m.get(k)) for m in steps))
     return out

@@ -33,11 +33,11 @@ from typing import Any
 
 import jax
 
-from stabljax import metrics as keys
 from stabljax.control.checkpoint.items import device_snapshot
 from stabljax.control.checkpoint.store import all_agree, to_host
 from stabljax.control.decide.policy import first_allowed
 from stabljax.control.diagnose.triage import is_spike
+from stabljax.metrics import LOSS
 
 SCREENED = ("screened", "screened_indices", "screened_losses", "screen_capped")  # event keys
 REFERENCE = 8  # healthy batches screened for the restored state's own loss level
@@ -132,7 +132,7 @@ def screen_ahead(
             else:
                 batch = next(data)  # honours the skipped ranges, as i does
             _, metrics = step_fn(device_snapshot(state), batch)
-            loss = float(to_host(metrics[keys.LOSS]))
+            loss = float(to_host(metrics[LOSS]))
             indices.append(i)
             losses.append(loss)
             if agree(math.isfinite(loss) and not is_anomalous(loss)):
@@ -162,7 +162,7 @@ def losses_at(step_fn: Any, state: Any, data: Any, indices: list[int]) -> list[f
                 _move(data, i)
                 batch = next(data)
             _, metrics = step_fn(device_snapshot(state), batch)
-            out.append(float(to_host(metrics[keys.LOSS])))
+            out.append(float(to_host(metrics[LOSS])))
     except (StopIteration, IndexError):  # the data ended
         pass
     finally:

@@ -52,11 +52,11 @@ from typing import Any
 import jax
 import numpy as np
 
-from stabljax import metrics as keys
 from stabljax.control.checkpoint.items import device_snapshot
 from stabljax.control.checkpoint.store import CheckpointStore, all_agree, to_host
 from stabljax.control.decide.policy import first_allowed
 from stabljax.control.diagnose import attribution
+from stabljax.metrics import GRAD_NORM, LOSS
 
 VERDICTS = ("nondeterministic", "data", "state", "inconclusive")
 PHASES = ("restored", "rerun", "earlier", "culprit")
@@ -295,16 +295,16 @@ class _Replayer:
 
     def _fetch(self, phase: str, pending, keep: bool) -> list[dict[str, Any]]:
         out = []
-        wanted = (keys.LOSS, keys.GRAD_NORM)
+        wanted = (LOSS, GRAD_NORM)
         for step, index, metrics in pending:
             host = _host(metrics if keep else {k: metrics[k] for k in wanted if k in metrics})
             if self.cfg._fault_hook is not None:
                 host = self.cfg._fault_hook(phase, step, host)
-            loss, gnorm = host.get(keys.LOSS), host.get(keys.GRAD_NORM)
+            loss, gnorm = host.get(LOSS), host.get(GRAD_NORM)
             entry = {"phase": phase, "step": step, "index": index, "loss": loss}
             entry["grad_norm"] = gnorm
             self.log.append(entry)
-            out.append(host if keep else {keys.LOSS: loss, keys.GRAD_NORM: gnorm})
+            out.append(host if keep else {LOSS: loss, GRAD_NORM: gnorm})
         return out
 
     def one(self, phase: str, state: Any, step: int, index: int) -> dict[str, Any]:
@@ -312,8 +312,60 @@ class _Replayer:
 
 
 def _loss(m: Mapping[str, Any]) -> float:
-    v = m.get(keys.LOSS)
+    v = m.get(LOSS)
     return float("nan") if v is None else float(v)
+
+
+def _attribution(
+    replayed: Sequence[Mapping[str, Any]], onset_state: Any, cfg: TriageConfig
+) -> dict[str, Any]:
+    """The onset's hints (:func:`attribution.attribute`), with Adam's eps report if asked."""
+    eps = None
+    if cfg.adam_eps is not None and hasattr(onset_state, "opt_state"):
+        from stabljax.telemetry import adam_eps_report
+
+        eps = adam_eps_report(onset_state.opt_state, cfg.adam_eps)
+    return attribution.attribute(replayed[:-1], replayed[-1], eps_fraction=eps)
+
+
+def _nondeterminism(
+    replayed: Sequence[Mapping[str, Any]],
+    rerun: Mapping[str, Any],
+    original: Mapping[int, float],
+    first_step: int,
+    onset: int,
+    cfg: TriageConfig,
+) -> str | None:
+    """Why the replay is not deterministic, or None when it is.
+
+    ``replayed`` holds the metrics of steps ``first_step..onset`` replayed from the
+    restored checkpoint and ``rerun`` the onset step run again from the same state and
+    batch; ``original`` the losses the run itself saw. The re-run must match the replay's
+    onset step (loss and grad norm), and the replay the run, within ``cfg.rtol``.
+    """
+    last = replayed[-1]
+    same = _close(rerun.get(LOSS), last.get(LOSS), cfg.rtol) and _close(
+        rerun.get(GRAD_NORM), last.get(GRAD_NORM), cfg.rtol
+    )
+    if not same:
+        return (
+            f"the onset step {onset} re-run from the same state and batch gave loss "
+            f"{rerun.get(LOSS)!r} / grad norm {rerun.get(GRAD_NORM)!r}, first "
+            f"{last.get(LOSS)!r} / {last.get(GRAD_NORM)!r}"
+        )
+    losses = [_loss(m) for m in replayed]
+    mismatch = [
+        s
+        for s, got in zip(range(first_step, onset + 1), losses, strict=True)
+        if s in original and not _close(got, original[s], cfg.rtol)
+    ]
+    if mismatch:
+        s = mismatch[0]
+        return (
+            f"the replay from checkpoint {first_step} gave loss {losses[s - first_step]!r} at "
+            f"step {s}, the run saw {original[s]!r} ({len(mismatch)} step(s) differ)"
+        )
+    return None
 
 
 def triage(
@@ -370,36 +422,12 @@ def triage(
         a, s_onset = rep.run("restored", c_state, c_step, indices, keep=True)
         a_losses = [_loss(m) for m in a]
         out["evidence"]["restored"] = a_losses
-        eps = None
-        if cfg.adam_eps is not None and hasattr(s_onset, "opt_state"):
-            from stabljax.telemetry import adam_eps_report
-
-            eps = adam_eps_report(s_onset.opt_state, cfg.adam_eps)
-        out["attribution"] = attribution.attribute(a[:-1], a[-1], eps_fraction=eps)
+        out["attribution"] = _attribution(a, s_onset, cfg)
         rerun = rep.one("rerun", s_onset, onset, indices[-1])
         out["evidence"]["rerun"] = _loss(rerun)
-        mismatch = [
-            s
-            for s, got in zip(range(c_step, onset + 1), a_losses, strict=True)
-            if s in original and not _close(got, original[s], cfg.rtol)
-        ]
-        same = _close(rerun.get(keys.LOSS), a[-1].get(keys.LOSS), cfg.rtol) and _close(
-            rerun.get(keys.GRAD_NORM), a[-1].get(keys.GRAD_NORM), cfg.rtol
-        )
-        if not same:
-            return finish(
-                "nondeterministic",
-                f"the onset step {onset} re-run from the same state and batch gave loss "
-                f"{rerun.get(keys.LOSS)!r} / grad norm {rerun.get(keys.GRAD_NORM)!r}, first "
-                f"{a[-1].get(keys.LOSS)!r} / {a[-1].get(keys.GRAD_NORM)!r}",
-            )
-        if mismatch:
-            s = mismatch[0]
-            return finish(
-                "nondeterministic",
-                f"the replay from checkpoint {c_step} gave loss {a_losses[s - c_step]!r} at "
-                f"step {s}, the run saw {original[s]!r} ({len(mismatch)} step(s) differ)",
-            )
+        differs = _nondeterminism(a, rerun, original, c_step, onset, cfg)
+        if differs is not None:
+            return finish("nondeterministic", differs)
         if not robust_spikes(a_losses, before, cfg)[-1]:
             return finish(
                 "inconclusive",

@@ -1,4 +1,4 @@
-"""Helpers shared by every transform in ``stabljax.optim`` (and by the step's telemetry).
+"""Helpers shared by the transforms, the step, telemetry, init and the detectors (layer 0).
 
 An internal module, as ``optax._src`` is: its names are public so that the other stabljax
 modules (and the benchmarks) may import them, but they are not part of the API and may
@@ -46,7 +46,7 @@ def global_norm_f32(tree: Any, axis_name: AxisName | None = None) -> jax.Array:
 
     Example:
       >>> import jax.numpy as jnp
-      >>> from stabljax.optim._base import global_norm_f32
+      >>> from stabljax.base import global_norm_f32
       >>> tree = {"a": jnp.array([3.0]), "b": jnp.array([4.0], jnp.bfloat16)}
       >>> print(float(global_norm_f32(tree)))
       5.0
@@ -65,7 +65,7 @@ def path_str(path: tuple[Any, ...]) -> str:
 
     Example:
       >>> import jax
-      >>> from stabljax.optim._base import path_str
+      >>> from stabljax.base import path_str
       >>> tree = {"dense": {"w": 1.0}, "blocks": [2.0]}
       >>> [path_str(p) for p, _ in jax.tree_util.tree_flatten_with_path(tree)[0]]
       ['blocks/0', 'dense/w']
@@ -92,7 +92,7 @@ def all_finite(tree: Any) -> jax.Array:
 
     Example:
       >>> import jax.numpy as jnp
-      >>> from stabljax.optim._base import all_finite
+      >>> from stabljax.base import all_finite
       >>> bool(all_finite({"a": jnp.ones(2), "b": jnp.array([1.0, jnp.inf])}))
       False
     """

@@ -1,15 +1,15 @@
 """Guards that skip a whole optimizer step: on non-finite values and on spikes.
 
 :func:`skip_nonfinite` and :func:`skip_spikes` are thin wrappers over the one core,
-:func:`~stabljax.optim.guard_core.skip_step` (re-exported here with its rule and
-states); see :mod:`stabljax.optim.guard_core` for how a step is skipped.
+:func:`~stabljax.optim.guards.core.skip_step` (re-exported here with its rule and
+states); see :mod:`stabljax.optim.guards.core` for how a step is skipped.
 
 The two helpers :func:`any_skipped` and :func:`skip_streak` read the guards'
 flags anywhere in an optimizer state (through ``optax.chain``,
 ``optax.inject_hyperparams``, ``optax.MultiSteps`` and nested guards); the train
 step reports them as ``metrics["skipped"]`` and ``metrics["skip_streak"]``.
 :func:`skip_nonfinite_micro_batch` is ``optax.MultiSteps``' ``should_skip_update_fn``
-that lets a guard sit inside it (see :mod:`stabljax.optim.guard_multisteps`).
+that lets a guard sit inside it (see :mod:`stabljax.optim.guards.multisteps`).
 """
 
 from __future__ import annotations
@@ -21,15 +21,19 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from stabljax.optim._base import AxisName
-from stabljax.optim.guard_core import (
+from stabljax.base import AxisName
+from stabljax.optim.guards.core import (
     WATCHABLE,
     SkipNonfiniteState,
     SkipSpikesState,
     SpikeRule,
     skip_step,
 )
-from stabljax.optim.guard_multisteps import MICRO_BATCH_SKIPPED, skip_nonfinite_micro_batch
+from stabljax.optim.guards.multisteps import (
+    MICRO_BATCH_SKIPPED,
+    check_multisteps_placement,
+    skip_nonfinite_micro_batch,
+)
 
 __all__ = [
     "SkipNonfiniteState",
@@ -84,7 +88,7 @@ def skip_nonfinite(
       >>> import jax
       >>> import jax.numpy as jnp
       >>> import optax
-      >>> from stabljax.optim.guards import skip_nonfinite
+      >>> from stabljax.optim.guards.skips import skip_nonfinite
       >>> opt = skip_nonfinite(optax.adam(1e-3))
       >>> params = {"w": jnp.ones(3)}
       >>> state = opt.init(params)
@@ -180,7 +184,7 @@ def skip_spikes(
       >>> import jax
       >>> import jax.numpy as jnp
       >>> import optax
-      >>> from stabljax.optim.guards import skip_spikes
+      >>> from stabljax.optim.guards.skips import skip_spikes
       >>> opt = skip_spikes(optax.sgd(0.1), warmup_steps=4, watch=("loss",))
       >>> params = jnp.zeros(2)
       >>> state = opt.init(params)
@@ -253,16 +257,22 @@ def any_skipped(opt_state: optax.OptState) -> jax.Array:
     Returns:
       A bool scalar ``jax.Array``; False when the state holds no guard.
 
+    Raises:
+      ValueError: if a guard in ``opt_state`` sits inside an ``optax.MultiSteps`` that keeps
+        non-finite micro-batches (its flags would say "skipped" at every later step; see
+        :func:`~stabljax.optim.guards.multisteps.check_multisteps_placement`).
+
     Example:
       >>> import jax.numpy as jnp
       >>> import optax
-      >>> from stabljax.optim.guards import any_skipped, skip_nonfinite
+      >>> from stabljax.optim.guards.skips import any_skipped, skip_nonfinite
       >>> opt = optax.chain(optax.clip_by_global_norm(1.0), skip_nonfinite(optax.adam(1e-3)))
       >>> state = opt.init(jnp.zeros(2))
       >>> _, state = opt.update(jnp.array([1.0, jnp.inf]), state)
       >>> print(bool(any_skipped(state)), bool(any_skipped(optax.adam(1e-3).init(jnp.zeros(2)))))
       True False
     """
+    check_multisteps_placement(opt_state)
     names = ("nonfinite_skipped", "spike_skipped", MICRO_BATCH_SKIPPED, "should_skip")
     flags = [jnp.any(v) for v in _found(opt_state, names)]
     return functools.reduce(jnp.logical_or, flags, jnp.zeros([], jnp.bool_))
@@ -283,7 +293,7 @@ def skip_streak(opt_state: optax.OptState) -> jax.Array:
     Example:
       >>> import jax.numpy as jnp
       >>> import optax
-      >>> from stabljax.optim.guards import skip_nonfinite, skip_streak
+      >>> from stabljax.optim.guards.skips import skip_nonfinite, skip_streak
       >>> opt = skip_nonfinite(optax.sgd(0.1))
       >>> state = opt.init(jnp.zeros(2))
       >>> for _ in range(3):
@@ -315,7 +325,7 @@ def spike_rebaselines(opt_state: optax.OptState) -> jax.Array:
     Example:
       >>> import jax.numpy as jnp
       >>> import optax
-      >>> from stabljax.optim.guards import skip_spikes, spike_rebaselines
+      >>> from stabljax.optim.guards.skips import skip_spikes, spike_rebaselines
       >>> opt = skip_spikes(optax.sgd(0.1), warmup_steps=3, watch=("loss",), rebaseline_after=2)
       >>> state = opt.init(jnp.zeros(2))
       >>> for loss in [1.0, 1.0, 1.0, 2.0, 2.0, 2.0]:

@@ -9,7 +9,7 @@ state back leafwise, so it is bit-identical to the state before the step (the in
 step count does not advance). The decision is global: under ``jit`` XLA reduces the
 norm over every shard (GSPMD); inside ``shard_map``/``pmap`` pass ``axis_name`` to
 reduce it over those axes. No host sync. The wrappers ``skip_nonfinite`` and
-``skip_spikes`` live in :mod:`stabljax.optim.guards`.
+``skip_spikes`` live in :mod:`stabljax.optim.guards.skips`.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from stabljax.optim._base import (
+from stabljax.base import (
     AxisName,
     all_finite,
     global_norm_f32,
@@ -30,7 +30,7 @@ from stabljax.optim._base import (
     validate,
     with_extra_args,
 )
-from stabljax.optim.guard_multisteps import check_multisteps_placement, missing_field
+from stabljax.optim.guards.multisteps import check_multisteps_placement, missing_field
 
 # The values a guard can test (skip_step's `nonfinite`, SpikeRule's `watch`).
 WATCHABLE = ("loss", "grad_norm")
@@ -370,6 +370,45 @@ def _spike_gather(rule, state, decision, skip: jax.Array, spike: jax.Array):
     return out
 
 
+def _checked_args(
+    nonfinite: bool | Sequence[str], spikes: SpikeRule | None, check_update: bool
+) -> tuple[str, ...]:
+    """``skip_step``'s ``nonfinite`` as a tuple of names; raises on a bad or empty setting."""
+    if nonfinite is True or nonfinite is False:
+        nonfinite = WATCHABLE if nonfinite else ()
+    elif isinstance(nonfinite, str) or not isinstance(nonfinite, Sequence):
+        raise ValueError(f"skip_step: `nonfinite` must be a bool or a tuple; got {nonfinite!r}.")
+    nonfinite = tuple(nonfinite)
+    if any(n not in WATCHABLE for n in nonfinite):
+        raise ValueError(
+            f"skip_step: `nonfinite` names must be from {WATCHABLE}; got {nonfinite!r}."
+        )
+    if spikes is not None and not isinstance(spikes, SpikeRule):
+        raise TypeError(f"skip_step: `spikes` must be a SpikeRule or None; got {spikes!r}.")
+    if not nonfinite and spikes is None and not check_update:
+        raise ValueError(
+            "skip_step: nothing to check; set nonfinite=True, a spike rule or check_update=True."
+        )
+    return nonfinite
+
+
+def _watched(rule: SpikeRule, norm: jax.Array, ell: jax.Array | None) -> jax.Array:
+    """The values ``rule`` watches, in its order; raises if it watches a loss not given."""
+    xs = []
+    for name in rule.watch:
+        if name == "grad_norm":
+            xs.append(norm)
+        elif ell is None:
+            raise ValueError(
+                "skip_spikes watches 'loss' but update() got no objective: pass the "
+                "step's loss as update(..., value=loss), or construct the guard with "
+                "watch=('grad_norm',)."
+            )
+        else:
+            xs.append(ell)
+    return jnp.stack(xs)
+
+
 def skip_step(
     inner: optax.GradientTransformation,
     *,
@@ -435,7 +474,7 @@ def skip_step(
 
     Example:
       >>> import jax, jax.numpy as jnp, optax
-      >>> from stabljax.optim.guard_core import SpikeRule, skip_step
+      >>> from stabljax.optim.guards.core import SpikeRule, skip_step
       >>> opt = skip_step(optax.sgd(0.1), spikes=SpikeRule(warmup_steps=2, watch=("loss",)))
       >>> params = jnp.zeros(2)
       >>> state = opt.init(params)
@@ -449,32 +488,18 @@ def skip_step(
       False 0 [-0.1 -0.1]
     """
     owner = "skip_spikes" if spikes is not None else "skip_nonfinite"
-    if nonfinite is True or nonfinite is False:
-        nonfinite = WATCHABLE if nonfinite else ()
-    elif isinstance(nonfinite, str) or not isinstance(nonfinite, Sequence):
-        raise ValueError(f"skip_step: `nonfinite` must be a bool or a tuple; got {nonfinite!r}.")
-    nonfinite = tuple(nonfinite)
-    if any(n not in WATCHABLE for n in nonfinite):
-        raise ValueError(
-            f"skip_step: `nonfinite` names must be from {WATCHABLE}; got {nonfinite!r}."
-        )
-    if spikes is not None and not isinstance(spikes, SpikeRule):
-        raise TypeError(f"skip_step: `spikes` must be a SpikeRule or None; got {spikes!r}.")
-    if not nonfinite and spikes is None and not check_update:
-        raise ValueError(
-            "skip_step: nothing to check; set nonfinite=True, a spike rule or check_update=True."
-        )
+    nonfinite = _checked_args(nonfinite, spikes, check_update)
     _check_axis_name(owner, axis_name)
     inner = with_extra_args(inner)
 
     def init_fn(params: optax.Params) -> SkipNonfiniteState | SkipSpikesState:
-        # Read by a guard's check below this one (inside an optax.MultiSteps it wraps).
-        drops_nonfinite_gradients = "grad_norm" in nonfinite  # noqa: F841
-        check_multisteps_placement(owner)
+        inner_state = inner.init(params)
+        if "grad_norm" not in nonfinite:  # else it drops a NaN micro-batch before MultiSteps
+            check_multisteps_placement(inner_state, owner)
         flags = (jnp.zeros([], jnp.bool_), jnp.zeros([], jnp.int32), jnp.zeros([], jnp.int32))
         if spikes is None:
-            return SkipNonfiniteState(inner.init(params), *flags)
-        return SkipSpikesState(inner.init(params), *flags, **_spike_init(spikes))
+            return SkipNonfiniteState(inner_state, *flags)
+        return SkipSpikesState(inner_state, *flags, **_spike_init(spikes))
 
     def update_fn(
         updates: optax.Updates,
@@ -506,19 +531,7 @@ def skip_step(
         if check_update:
             skip = jnp.logical_or(skip, jnp.logical_not(all_finite(new_updates)))
         if spikes is not None:
-            xs = []
-            for name in spikes.watch:
-                if name == "grad_norm":
-                    xs.append(norm)
-                elif ell is None:
-                    raise ValueError(
-                        "skip_spikes watches 'loss' but update() got no objective: pass the "
-                        "step's loss as update(..., value=loss), or construct the guard with "
-                        "watch=('grad_norm',)."
-                    )
-                else:
-                    xs.append(ell)
-            x = jnp.stack(xs)
+            x = _watched(spikes, norm, ell)
             decision = _spike_decision(spikes, state, x)
             spike = decision[0]
             skip = jnp.logical_or(

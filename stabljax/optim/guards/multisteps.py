@@ -4,7 +4,9 @@ optax 0.2.8's ``MultiSteps`` resets its accumulator as ``(1 - emit) * acc``, so 
 micro-batch with a NaN gradient stays in it for good (``0 * nan = nan``): a guard *inside*
 ``MultiSteps`` then sees a non-finite accumulated gradient at every later emission and skips
 every later step, silently (optax issue #828; ``optax.apply_if_finite`` stalls the same way).
-Two placements are safe, and :func:`skip_step` refuses the third at ``init``:
+Two placements are safe, and the third is refused (:func:`check_multisteps_placement`) as
+soon as a whole optimizer state is seen: by ``TrainState.create``, the train step,
+:func:`~stabljax.optim.guards.skips.any_skipped`, or the ``init`` of a guard around it:
 
 * the guard *outside*, ``skip_nonfinite(optax.MultiSteps(opt, k))``: it sees each micro-batch
   and skips a bad one before it is accumulated, keeping ``MultiSteps``' state (accumulator and
@@ -13,24 +15,24 @@ Two placements are safe, and :func:`skip_step` refuses the third at ``init``:
   :func:`skip_nonfinite_micro_batch` ``)`` (or ``optax.skip_not_finite``): ``MultiSteps``
   drops a non-finite micro-batch before accumulating it;
 * the guard inside a ``MultiSteps`` with neither raises a ``ValueError`` saying both.
+
+``optax.MultiSteps.init`` does not tell its inner ``init`` that it is inside, so a bare
+``optax.MultiSteps(guard(opt), k).init(params)`` returns a state; the first of the calls
+above that sees that state raises.
 """
 
 from __future__ import annotations
 
-import functools
-import sys
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import optax
 
-from stabljax.optim._base import AxisName, global_norm_f32
+from stabljax.base import AxisName, global_norm_f32
 
 # The skip_state key MultiSteps keeps for the last micro-batch; any_skipped reads it.
 MICRO_BATCH_SKIPPED = "micro_batch_skipped"
-# A guard's init is a few calls below MultiSteps.init (chain, inject_hyperparams): look this far.
-_MAX_DEPTH = 64
 
 
 def skip_nonfinite_micro_batch(
@@ -47,7 +49,7 @@ def skip_nonfinite_micro_batch(
     whose norm overflows float32, the same test as :func:`skip_nonfinite`. With it a guard
     may sit inside ``MultiSteps``: the accumulator stays finite, and the emission after a NaN
     micro-batch averages the window's other micro-batches. ``MultiSteps`` keeps the returned
-    dict as its ``skip_state``; :func:`~stabljax.optim.guards.any_skipped` reads its
+    dict as its ``skip_state``; :func:`~stabljax.optim.guards.skips.any_skipped` reads its
     ``micro_batch_skipped`` flag, so the train step reports the drop as ``skipped``. Inside
     ``shard_map`` bind ``axis_name`` with :func:`functools.partial`.
 
@@ -84,48 +86,68 @@ def skip_nonfinite_micro_batch(
     return skip, {MICRO_BATCH_SKIPPED: skip}
 
 
-def _drops_nonfinite(multi_steps: optax.MultiSteps) -> bool | None:
-    """Whether ``multi_steps`` drops non-finite micro-batches; None if it cannot be told."""
-    # optax 0.2.8 keeps the function here (a no-op closure when none was given); a test pins it.
-    fn = getattr(multi_steps, "_should_skip_update_fn", None)
-    if fn is None:
-        return None
-    while isinstance(fn, functools.partial):
-        fn = fn.func
-    return fn is skip_nonfinite_micro_batch or fn is optax.skip_not_finite
+# Fields only the stabljax guard states have (state field names are unique in stabljax):
+# the marker by which a guard's state is told from any other in an optimizer state.
+GUARD_FLAGS = ("nonfinite_skipped", "spike_skipped")
+# The skip_state keys of the should_skip_update_fns that drop a non-finite micro-batch:
+# ours, and optax.skip_not_finite's (documented in its docstring).
+_DROPS_NONFINITE = (MICRO_BATCH_SKIPPED, "num_not_finite")
 
 
-def check_multisteps_placement(owner: str) -> None:
-    """Raises if the calling guard ``init`` runs inside an unsafe :class:`optax.MultiSteps`.
+def _is_guard_state(node: Any) -> bool:
+    return isinstance(node, tuple) and any(f in getattr(node, "_fields", ()) for f in GUARD_FLAGS)
 
-    Called from a guard's ``init`` (a Python-level look at the calls above it, once per
-    ``init``; nothing is traced). Safe, and silent: no ``MultiSteps.init`` above; one whose
-    ``should_skip_update_fn`` drops non-finite micro-batches; or another guard's ``init``
-    above that ``MultiSteps`` whose local ``drops_nonfinite_gradients`` is true (a guard
-    outside skips a bad micro-batch before ``MultiSteps`` sees it).
+
+def _holds_guard(tree: Any) -> bool:
+    return any(optax.tree.get_all_with_path(tree, flag) for flag in GUARD_FLAGS)
+
+
+def _children(node: Any) -> list[Any]:
+    leaves = jax.tree_util.tree_flatten(node, is_leaf=lambda x: x is not node)[0]
+    return [c for c in leaves if c is not node]
+
+
+def unguarded_multisteps(opt_state: Any, *, guarded: bool = False) -> bool:
+    """Whether ``opt_state`` holds an unsafe :class:`optax.MultiStepsState`.
+
+    Unsafe: a stabljax guard's state inside it, a ``skip_state`` that does not come from a
+    ``should_skip_update_fn`` dropping non-finite micro-batches
+    (:func:`skip_nonfinite_micro_batch`, ``optax.skip_not_finite``), and no guard state
+    above it (an outer guard has judged the placement in its own ``init``). Read from the
+    state's structure only (node types, field names and dict keys), so it works on
+    concrete, traced and abstract states alike.
     """
-    guard = sys._getframe(1)
-    frame: Any = guard.f_back
-    inside = None
-    for _ in range(_MAX_DEPTH):
-        if frame is None:
-            break
-        local = frame.f_locals
-        if inside is None:
-            if frame.f_code.co_name == "init" and isinstance(local.get("self"), optax.MultiSteps):
-                inside = local["self"]
-                if _drops_nonfinite(inside) is not False:
-                    return
-        elif frame.f_code is guard.f_code and local.get("drops_nonfinite_gradients") is True:
-            return
-        frame = frame.f_back
-    if inside is not None:
+    if isinstance(opt_state, optax.MultiStepsState) and not guarded:
+        skip_state = opt_state.skip_state
+        drops = isinstance(skip_state, dict) and any(k in skip_state for k in _DROPS_NONFINITE)
+        if not drops and _holds_guard(opt_state.inner_opt_state):
+            return True
+    guarded = guarded or _is_guard_state(opt_state)
+    return any(unguarded_multisteps(c, guarded=guarded) for c in _children(opt_state))
+
+
+def check_multisteps_placement(opt_state: Any, owner: str = "a stabljax guard") -> None:
+    """Raises if a guard sits inside an :class:`optax.MultiSteps` that keeps NaN micro-batches.
+
+    Called by a guard's ``init`` on its inner state when the guard does not itself skip
+    non-finite gradients (one that does protects a ``MultiSteps`` inside it), and by
+    ``TrainState.create``, the train step and :func:`~stabljax.optim.guards.skips.any_skipped`
+    on a whole optimizer state. ``optax.MultiSteps`` calls its inner ``init`` without
+    telling it where it sits, so a bare ``optax.MultiSteps(guard(opt), k).init`` cannot
+    see the problem; these calls, which see the whole state, do. See
+    :func:`unguarded_multisteps` for the rule.
+
+    Raises:
+      ValueError: naming both safe placements.
+    """
+    if unguarded_multisteps(opt_state):
         raise ValueError(
             f"{owner} is inside optax.MultiSteps, whose accumulator keeps a NaN micro-batch "
             "for good (it resets by multiplying by 0), so the guard would skip every later "
-            f"step, silently. Put the guard outside, {owner}(optax.MultiSteps(opt, k)), or "
-            "let MultiSteps drop such micro-batches: optax.MultiSteps(opt, k, "
-            "should_skip_update_fn=stabljax.skip_nonfinite_micro_batch)."
+            "step, silently. Put the guard outside, skip_nonfinite(optax.MultiSteps(opt, k)), "
+            "or let MultiSteps drop such micro-batches: optax.MultiSteps(opt, k, "
+            "should_skip_update_fn=stabljax.skip_nonfinite_micro_batch) (or "
+            "should_skip_update_fn=optax.skip_not_finite)."
         )
 
 
