@@ -22,6 +22,9 @@ import urllib.request
 
 BUCKET = "bkt"
 
+# Read when gcsfs is imported (it may be, by a test module, before the emulator starts).
+os.environ.setdefault("GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT", "false")
+
 # One line per request, as fake-gcs-server logs it (its access log).
 _REQUEST = re.compile(r'"(GET|POST|PUT|PATCH|DELETE|HEAD) (\S+)')
 

@@ -40,6 +40,7 @@ import os
 import pathlib
 import re
 import secrets
+import shutil
 import socket
 import stat
 import threading
@@ -619,3 +620,10 @@ class RunFiles:
             return
         fs, key = _fs(self.file(name))
         fs.mv(key, _fs(self.file(to))[1], recursive=True)
+
+    def remove(self, name: str) -> None:
+        """Removes the entry ``name`` and all it holds (a folder's objects, on a store)."""
+        if not self.remote:
+            return shutil.rmtree(self.path / name)
+        fs, key = _fs(self.file(name))
+        fs.rm(key, recursive=True)

@@ -171,6 +171,14 @@ def _is_disk_full(e: BaseException) -> bool:
     return False
 
 
+def _half_written(step_dir: Any) -> bool:
+    """An object store's step folder holding this run's items but no commit file (on an
+    object store Orbax writes in place and marks a finished step with one)."""
+    if (step_dir / "commit_success.txt").exists():
+        return False
+    return any((step_dir / item).exists() for item in ("state", "meta", "data"))
+
+
 class CheckpointStore:
     """The checkpoints in one directory: write, read, verify, keep, delete.
 
@@ -210,7 +218,10 @@ class CheckpointStore:
             options=ocp.CheckpointManagerOptions(
                 preservation_policy=self.retention,
                 enable_async_checkpointing=async_save,
-                cleanup_tmp_directories=True,
+                # On an object store Orbax's clean-up deletes every folder of the directory
+                # without its commit file: the logs' parts, stabljax-corrupt/ and a user's
+                # folders too. There clean_leftovers removes only half-written steps.
+                cleanup_tmp_directories=not self.files.remote,
                 todelete_subdir=TRASH,
                 create=True,
             ),
@@ -522,9 +533,14 @@ class CheckpointStore:
             self._sweeper.remove(doomed)
 
     def clean_leftovers(self) -> None:
-        """Removes what a crash left: a half-written record, a trash sweep cut short."""
+        """Removes what a crash left: a half-written record, a trash sweep cut short; on an
+        object store, a step folder of this run's items that Orbax never committed."""
         self.settle()
-        if is_primary() and not self.files.remote:  # an object store leaves neither
+        if is_primary() and self.files.remote:
+            for path in self.directory.iterdir():
+                if path.name.isdigit() and _half_written(path):
+                    self.files.remove(path.name)
+        elif is_primary():
             for tmp in self.directory.glob(f".{RECORD}.tmp-*"):
                 tmp.unlink(missing_ok=True)
             for doomed in self.directory.glob(f"{TRASH}.*"):
