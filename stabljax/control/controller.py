@@ -208,25 +208,14 @@ class RollbackController:
     def _open(self) -> None:
         self._lock.acquire()
         try:
-            self._store = CheckpointStore(
-                self._files,
-                async_save=self.async_save,
-                log=self._log,
-                keep=self.keep,
-                keeps_best=self._monitor.rolls_back_to_best,
-                seal=Seal.from_env(self.verify),
-            )
+            best, seal = self._monitor.rolls_back_to_best, Seal.from_env(self.verify)
+            kw = dict(async_save=self.async_save, log=self._log, keep=self.keep, seal=seal)
+            self._store = CheckpointStore(self._files, keeps_best=best, **kw)
         except BaseException:
             self._lock.release()
             raise
-        self._saver = Saver(
-            self._store,
-            self._monitor,
-            self._log,
-            keep=self.keep,
-            verify=self.verify,
-            background=self.background_save,
-        )
+        kw = dict(keep=self.keep, verify=self.verify, background=self.background_save)
+        self._saver = Saver(self._store, self._monitor, self._log, **kw)
         self._closed = False
         close_at_exit(self)
         self._poll = not self.background_save and jax.process_count() == 1
@@ -604,6 +593,5 @@ class RollbackController:
         try:
             self._data.restore(index, self._ledger.ranges, state=data_state)
         except StopIteration:
-            err = DataExhausted(f"the data ran out moving to batch {index} at step {self._step}")
-            err.state = state
-            raise err from None
+            msg = f"the data ran out moving to batch {index} at step {self._step}"
+            raise DataExhausted(msg, state=state) from None

@@ -24,7 +24,7 @@ import numpy as np
 from jax.experimental import multihost_utils
 
 from stabljax.control.errors import DataExhausted, Preempted, warn
-from stabljax.control.events import host_metrics
+from stabljax.control.events import Event, host_metrics
 
 # ------------------------------------------------------------------------------- the state
 # What the operator hands the controller: a train state.
@@ -180,6 +180,7 @@ def drive(
     reaches ``target``, then ``ctl.finish`` (which may roll back, and the loop goes on).
     The data running out (``StopIteration``, or :class:`DataExhausted` from a rollback's
     skip) and :class:`Preempted` end it with the state as saved; anything else propagates.
+    The data running out is a ``data_exhausted`` event in ``ctl.events``.
     ``writer(step, host_metrics)`` gets every ``log_every``-th step's metrics one step
     late (after the next step is dispatched), and the last one on the way out.
     """
@@ -225,9 +226,9 @@ def drive(
         finally:
             bar.show(ctl)
             bar.close()
-    if exhausted:
-        step = ctl.current_step
-        ctl._log("data_exhausted", step, data_index=data.index, target=target)
+    if exhausted:  # through the controller's public event log, as any loop may
+        step, details = ctl.current_step, dict(data_index=data.index, target=target)
+        ctl.events.append(Event("data_exhausted", step, details=details))
         warn(f"the data ran out at step {step} (index {data.index}) of {target}")
     return state, data, preempted, exhausted
 
@@ -263,11 +264,7 @@ class Progress:
 
     def update(self, n: int, postfix: Mapping[str, Any]) -> None:
         if self._bar is not None:
-            if n < self._bar.n:
-                self._bar.n = n
-                self._bar.refresh()
-            else:
-                self._bar.update(n - self._bar.n)
+            self._bar.update(n - self._bar.n)  # back after a rollback: a negative update
             self._bar.set_postfix(postfix, refresh=False)
         elif n >= self._last + max(self._total // 10, 1) or n < self._last:
             self._last = n

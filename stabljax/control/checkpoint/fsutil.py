@@ -17,17 +17,9 @@ last component of a path:
 
 Folders above the last component are the caller's choice and are followed as usual.
 
-:class:`RunFiles` owns every file of a run directory that is not a checkpoint (the lock,
-the write probe, ``events.jsonl``, ``metrics.jsonl``, the rollback record), with two
-backends chosen by the directory's name:
-
-* a local disk (any path without a ``scheme://``): the functions above, unchanged;
-* an object store (``gs://bucket/dir``, through fsspec, the layer etils' ``epath`` and so
-  Orbax use): no append, no rename, no symlinks. A log is a series of whole objects
-  ``NAME.parts/<seq>`` written at flush points (:class:`PartLog`), read back in order as
-  one file by :func:`read_text`; a record is one object, replaced whole (an upload is
-  visible only once complete, so no half-written record is ever readable); the lock is an
-  object created only if none exists (GCS ``ifGenerationMatch=0``).
+:class:`RunFiles` owns every file of a run directory that is not a checkpoint, on a local
+disk (the functions above) or an object store (``gs://``: :class:`PartLog`,
+:class:`DirectoryLock`).
 """
 
 from __future__ import annotations
@@ -244,11 +236,10 @@ def refuse_symlinks(directory: str | os.PathLike, names: Iterable[str]) -> None:
 # Every file of a run directory that is not a checkpoint, on a local disk or an object store.
 
 _SCHEME = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*)://")
-PARTS = ".parts"
-"""A log ``NAME`` on an object store is the objects ``NAME.parts/<seq>``, in order."""
+PARTS = ".parts"  # a log NAME on an object store: the objects NAME.parts/<seq>, in order
 PROBE = ".stabljax-probe-"
+# A run directory's fixed names (with stabljax.lock* and stabljax-trash.*).
 SPECIAL = ("events.jsonl", "stabljax-rollback.json", "stabljax-trash", "stabljax-corrupt")
-"""A run directory's fixed names (with ``stabljax.lock*`` and ``stabljax-trash.*``)."""
 
 
 def is_remote(path: str | os.PathLike) -> bool:
@@ -279,15 +270,14 @@ def run_path(directory: str | os.PathLike) -> Any:
     return pathlib.Path(directory).absolute()
 
 
-def _fs(path: str | os.PathLike) -> tuple[Any, str]:
-    """The fsspec filesystem of an object-store path and the key within it."""
+def _fs(path: str | os.PathLike) -> tuple[Any, str]:  # (fsspec filesystem, key)
     import fsspec
 
     return fsspec.core.url_to_fs(os.fspath(path))
 
 
 def _parts(fs: Any, key: str) -> list[str]:
-    """The part objects of the log ``key`` (:data:`PARTS`), in write order."""
+    """The part objects of the log ``key``, in write order."""
     try:
         names = fs.ls(key + PARTS, detail=False, refresh=True)
     except FileNotFoundError:
@@ -295,8 +285,7 @@ def _parts(fs: Any, key: str) -> list[str]:
     return sorted(n for n in names if n.rsplit("/", 1)[-1].isdigit())
 
 
-def _read_remote(path: str) -> bytes:
-    """An object's bytes, or a log's parts joined (:class:`PartLog`)."""
+def _read_remote(path: str) -> bytes:  # an object, or a log's parts joined (PartLog)
     fs, key = _fs(path)
     try:
         return fs.cat_file(key)
@@ -308,8 +297,7 @@ def _read_remote(path: str) -> bytes:
 
 
 def log_exists(path: str | os.PathLike) -> bool:
-    """Whether a log (``events.jsonl``, ``metrics.jsonl``) exists at ``path``, as a file
-    (or a symlink: the reader then refuses it by name) or as an object store's parts."""
+    """Whether a log exists at ``path``: a file (or symlink) or an object store's parts."""
     if not is_remote(path):
         return os.path.lexists(path)
     fs, key = _fs(path)
@@ -317,14 +305,13 @@ def log_exists(path: str | os.PathLike) -> bool:
 
 
 class PartLog:
-    """A log on an object store: lines buffered, then written as one new object per flush.
+    """A log on an object store (no append): lines buffered, one new object per flush.
 
-    Object stores have no append. Lines wait in memory until :meth:`flush` (the caller's
-    save points and close) or until a line arrives ``flush_every`` seconds after the
-    oldest unflushed one; each flush writes the lines as a new object ``NAME.parts/<seq>``
-    (created only if absent, so two writers never overwrite each other's part). A flushed
-    line survives a crash (SIGKILL included); a crash loses at most the unflushed tail.
-    Between flushes no request is made. A failed flush keeps the lines for the next one.
+    Lines wait in memory until :meth:`flush` (save points, close) or a line arrives
+    ``flush_every`` s after the oldest unflushed one; a flush writes them as a new object
+    ``NAME.parts/<seq>``, created only if absent (two writers never overwrite a part). A
+    flushed line survives a crash (SIGKILL too); a crash loses at most the unflushed tail.
+    Between flushes no request is made; a failed flush keeps the lines for the next.
 
     Args:
       path: the log (``gs://bkt/run/events.jsonl``).
@@ -365,11 +352,6 @@ class PartLog:
                     self._seq += 1
             self._seq += 1
             self._lines, self._since = [], None
-
-    @property
-    def pending(self) -> int:
-        """The lines not yet written."""
-        return len(self._lines)
 
 
 class DirectoryLock:
@@ -425,19 +407,14 @@ class DirectoryLock:
             "would race on saves and deletes. Stop the other job, close() the other "
             "controller, or use another directory."
         )
-        if self.remote:
-            msg += (
-                f" On an object store a killed job's lock stays behind: once you are sure "
-                f"its holder is dead, take it over by deleting {self.path} "
-                f"(gcloud storage rm {self.path})."
-            )
+        if self.remote:  # a killed job's lock stays behind
+            msg += f" Once sure its holder is dead, take it over: gcloud storage rm {self.path}"
         return msg
 
     def _acquire_object(self) -> None:
-        token = (
-            f"pid {os.getpid()} on {socket.gethostname()} since "
-            f"{time.strftime('%Y-%m-%dT%H:%M:%SZ', time.gmtime())} ({secrets.token_hex(4)})"
-        ).encode()
+        since = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+        who = f"pid {os.getpid()} on {socket.gethostname()}"
+        token = f"{who} since {since} ({secrets.token_hex(4)})".encode()
         fs, key = _fs(self.path)
         try:
             fs.pipe_file(key, token, mode="create")
@@ -489,16 +466,13 @@ def _alive(pid: int) -> bool:
     except ProcessLookupError:
         return False
     except OSError:  # EPERM: someone else's process
-        return True
+        pass
     return True
 
 
 def clean_probes(directory: pathlib.Path) -> None:
-    """Removes probe files left by processes that died between writing and removing them.
-
-    A pid that is dead here may be alive on another host sharing the directory; removing
-    its probe is harmless, since the probe's writer removes it with ``missing_ok``.
-    """
+    """Removes probe files left by processes that died between writing and removing them
+    (harmless for a live one on another host: its writer removes it with ``missing_ok``)."""
     for path in directory.glob(f"{PROBE}*-*"):
         try:
             pid = int(path.name[len(PROBE) :].split("-")[0])
@@ -512,9 +486,13 @@ class RunFiles:
     """The one owner of a run directory's own files: probe, lock, records and logs.
 
     Checkpoints are Orbax's; everything else the controller keeps in the directory goes
-    through here, on a local disk (no symlink followed, atomic renames, nothing outside
-    the directory touched) or an object store (whole objects, create-only lock; see the
-    module docstring). The controller's own objects are written by process 0 only.
+    through here. On a local disk (a path without ``scheme://``): no symlink followed,
+    atomic renames, nothing outside the directory touched. On an object store
+    (``gs://bucket/dir``, through fsspec, as etils' ``epath`` and so Orbax): no append,
+    rename or symlink; a log is whole objects ``NAME.parts/<seq>`` (:class:`PartLog`),
+    read back in order by :func:`read_text`; a record is one upload, visible only once
+    complete; the lock is created only if absent (GCS ``ifGenerationMatch=0``). The
+    controller's own objects are written by process 0 only.
 
     Args:
       directory: a local path or ``scheme://bucket/dir`` (:func:`run_path`).
@@ -528,17 +506,15 @@ class RunFiles:
         self.lock = DirectoryLock(self.path, process)
 
     def file(self, name: str) -> str:
-        """The full name of the entry ``name`` (a local path or an object URL)."""
+        """The entry ``name``'s full name (a local path or an object URL)."""
         return f"{os.fspath(self.path)}/{name}" if self.remote else os.fspath(self.path / name)
 
     def check(self) -> None:
         """Creates the directory if need be and checks that it can be written.
 
         Raises:
-          FileNotFoundError: on an object store, the bucket does not exist (named).
-          OSError: the directory cannot be created or written (named).
-          UnsafePathError: a fixed-name entry (:func:`special_entries`) is a symlink,
-            which stabljax would write, move or delete through; nothing was written.
+          FileNotFoundError: a bucket that does not exist (named). OSError: cannot be
+            created or written (named). UnsafePathError: a fixed-name entry is a symlink.
         """
         if self.remote:
             return self._check_bucket()
@@ -596,20 +572,15 @@ class RunFiles:
             ) from e
 
     def write_json(self, name: str, obj: Any) -> None:
-        """Writes ``obj`` as strict JSON to ``name``, whole or not at all (a local atomic
-        rename, :func:`atomic_write_json`; on an object store one upload)."""
+        """Writes ``obj`` as strict JSON to ``name``, whole or not at all (one upload)."""
         if not self.remote:
             return atomic_write_json(self.path / name, obj)
         fs, key = _fs(self.file(name))
         fs.pipe_file(key, json.dumps(obj, allow_nan=False).encode())
 
-    def has_log(self, name: str) -> bool:
-        """Whether the log ``name`` exists (:func:`log_exists`)."""
-        return log_exists(self.file(name))
-
-    def exists(self, name: str) -> bool:
-        """Whether the entry ``name`` (a file, folder or prefix) exists."""
-        return (self.path / name).exists()
+    def exists(self, name: str, *, log: bool = False) -> bool:
+        """Whether the entry ``name`` exists (``log``: a log, :func:`log_exists`)."""
+        return log_exists(self.file(name)) if log else (self.path / name).exists()
 
     def move(self, name: str, to: str) -> None:
         """Moves the entry ``name`` to ``to`` (local: an atomic rename; object store: a

@@ -414,7 +414,7 @@ class CheckpointStore:
         ``RuntimeError``, before anything is moved or written."""
         foreign = self.foreign()
         if refuse_if_no_run and foreign and not self.steps():
-            if not self.files.has_log("events.jsonl"):
+            if not self.files.exists("events.jsonl", log=True):
                 raise RuntimeError(
                     f"{self.directory} holds no stabljax run, but folders named like steps "
                     f"that are not checkpoints ({', '.join(map(str, foreign[:5]))}): it looks "
