@@ -33,7 +33,12 @@ from stabljax.control import (
     RollbackController,
     read_events,
 )
-from stabljax.control.checkpoint.fsutil import UnsafePathError, atomic_write_text, refuse_symlinks
+from stabljax.control.checkpoint.fsutil import (
+    DirectoryLock,
+    UnsafePathError,
+    atomic_write_text,
+    refuse_symlinks,
+)
 from stabljax.control.checkpoint.integrity import meta_digest
 from stabljax.control.checkpoint.jsonio import (
     MalformedJSONError,
@@ -42,7 +47,6 @@ from stabljax.control.checkpoint.jsonio import (
     read_meta,
     read_rollback_record,
 )
-from stabljax.control.session import DirectoryLock
 from stabljax.report import load_run, write_report
 
 ROOT = pathlib.Path(__file__).parent.parent

@@ -16,6 +16,7 @@ import orbax.checkpoint as ocp
 import pytest
 from helpers import host
 
+from stabljax.control.checkpoint.fsutil import atomic_write_json
 from stabljax.control.checkpoint.integrity import (
     META_VERSION,
     check_compatible,
@@ -28,7 +29,6 @@ from stabljax.control.checkpoint.items import data_item
 from stabljax.control.checkpoint.store import (
     CORRUPT,
     CheckpointStore,
-    atomic_write_json,
     host_scalars,
     try_everywhere,
 )

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import functools
 import os
-import pathlib
 import signal
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -26,7 +25,8 @@ import jax
 import orbax.checkpoint as ocp
 
 from stabljax.control import resume
-from stabljax.control.checkpoint.integrity import check_verify, jsonable, state_bytes
+from stabljax.control.checkpoint.fsutil import RunFiles
+from stabljax.control.checkpoint.integrity import Seal, check_verify, jsonable, state_bytes
 from stabljax.control.checkpoint.saver import Saver
 from stabljax.control.checkpoint.store import CheckpointStore, is_primary, to_host
 from stabljax.control.data.iterators import DataIterator, as_data_iterator
@@ -41,11 +41,9 @@ from stabljax.control.diagnose.triage import TriageConfig, as_config, for_rollba
 from stabljax.control.errors import DataExhausted, Preempted
 from stabljax.control.events import Event, EventLog
 from stabljax.control.session import (
-    DirectoryLock,
     PreemptionWatch,
     Progress,
     RunResult,
-    check_directory,
     check_state,
     close_at_exit,
     drive,
@@ -72,7 +70,10 @@ class RollbackController:
 
     Args:
       directory: checkpoints, ``events.jsonl``, the rollback record and the lock, created
-        with its parents. Unwritable: ``OSError``; held by another controller: ``RuntimeError``.
+        with its parents: a local path or any directory Orbax takes (``gs://bucket/run``,
+        :class:`~stabljax.control.checkpoint.fsutil.RunFiles`). Unwritable: ``OSError``; a
+        missing bucket: ``FileNotFoundError`` naming it; held by another controller:
+        ``RuntimeError`` naming the holder.
         An all-digit folder that is no checkpoint (no Orbax commit marker, no meta item) is
         never read, moved or deleted (a ``RuntimeWarning``); one past the run's step stops
         the first save with a ``RuntimeError`` naming it.
@@ -186,15 +187,16 @@ class RollbackController:
         if screen_step is not None and not callable(screen_step):
             raise TypeError(f"screen_step must be a train step (callable), got {screen_step!r}")
         self.screen_ahead, self.screen_step = screen_ahead, screen_step
-        self.directory = pathlib.Path(directory).absolute()
+        self._files = RunFiles(directory, process=jax.process_index())
+        self.directory = self._files.path
         self._watch = PreemptionWatch(preemption_signals)
-        check_directory(self.directory)
-        self.events = EventLog(self.directory / "events.jsonl", write=is_primary())
+        self._files.check()
+        self.events = EventLog(self._files.file("events.jsonl"), write=is_primary())
         self._log = functools.partial(_append, self.events)  # no reference back to self
         detectors = default_detectors() if detectors is None else detectors
         self._monitor = Monitor(detectors, self._log)
         self.detectors = self._monitor.detectors
-        self._lock, self._closed = DirectoryLock(self.directory), True
+        self._lock, self._closed = self._files.lock, True
         self._open()
         self._data: DataIterator | None = None
         self._step: int | None = None
@@ -206,17 +208,14 @@ class RollbackController:
     def _open(self) -> None:
         self._lock.acquire()
         try:
-            self._store = CheckpointStore(
-                self.directory, async_save=self.async_save, log=self._log, keep=self.keep
-            )
+            best, seal = self._monitor.rolls_back_to_best, Seal.from_env(self.verify)
+            kw = dict(async_save=self.async_save, log=self._log, keep=self.keep, seal=seal)
+            self._store = CheckpointStore(self._files, keeps_best=best, **kw)
         except BaseException:
             self._lock.release()
             raise
-        self._store.keeps_best = self._monitor.rolls_back_to_best
-        self._saver = Saver(
-            self._store, self._monitor, self._log, keep=self.keep, verify=self.verify
-        )
-        self._saver.background = self.background_save
+        kw = dict(keep=self.keep, verify=self.verify, background=self.background_save)
+        self._saver = Saver(self._store, self._monitor, self._log, **kw)
         self._closed = False
         close_at_exit(self)
         self._poll = not self.background_save and jax.process_count() == 1
@@ -277,8 +276,8 @@ class RollbackController:
                 "use IndexedBatches or a seekable Grain iterator, or narrow_skip=False"
             )
         self._abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, state)
-        self._saver.data, self._saver.abstract = self._data, self._abstract
-        self._store.state_bytes = state_bytes(self._abstract)
+        self._saver.bind(self._data, self._abstract)
+        self._store.expect_size(state_bytes(self._abstract))
         self._pending, _ = None, self._monitor.trim(0)
         self._store.warn_foreign(refuse_if_no_run=True)  # a user's all-digit folder: left alone
         self._store.clean_leftovers()  # waits for saves in flight first
@@ -399,7 +398,10 @@ class RollbackController:
                 self._store.close()
             finally:
                 self._watch.restore()
-                self._lock.release()
+                try:
+                    self.events.flush()  # an object store's buffered tail
+                finally:
+                    self._lock.release()
 
     def __enter__(self) -> RollbackController:
         return self
@@ -591,6 +593,5 @@ class RollbackController:
         try:
             self._data.restore(index, self._ledger.ranges, state=data_state)
         except StopIteration:
-            err = DataExhausted(f"the data ran out moving to batch {index} at step {self._step}")
-            err.state = state
-            raise err from None
+            msg = f"the data ran out moving to batch {index} at step {self._step}"
+            raise DataExhausted(msg, state=state) from None

@@ -74,8 +74,12 @@ class DataExhausted(RuntimeError):
     """The data ran out inside the controller (a rollback's skip past its end).
 
     ``RollbackController.run`` turns it into ``ctl.last_run.data_exhausted``; a
-    hand-written loop sees it from ``step``.
+    hand-written loop sees it from ``step``. ``state``: the state as restored.
     """
+
+    def __init__(self, message: str, *, state: Any = None):
+        super().__init__(message)
+        self.state = state
 
 
 def warn(message: str, category: type[Warning] = RuntimeWarning, *, stacklevel: int = 1) -> None:

@@ -311,11 +311,25 @@ def read_events(path: str | os.PathLike) -> list[Event]:
     return events
 
 
+FLUSHED_BY = frozenset(
+    {"save", "save_failed", "restore", "preempted", "diverged", "data_exhausted"}
+)
+"""On an object store, the kinds after which :class:`EventLog` writes its buffer out."""
+
+
 class EventLog:
     """Events in memory, each also appended to a JSON-lines file.
 
+    On an object store (``gs://...``), which has no append, events are buffered and
+    written as a new object (:class:`~stabljax.control.checkpoint.fsutil.PartLog`) after
+    each event of a kind in :data:`FLUSHED_BY` (a save, a restore or rollback, the end of
+    a run), at :meth:`flush` (the controller's ``close``) and when an event arrives 60 s
+    after the oldest unwritten one. A flushed event survives a crash, SIGKILL included; a
+    crash loses at most the events since the last flush. Between flushes no request is made.
+
     Args:
-      path: the ``events.jsonl`` file, or ``None`` to keep events in memory only.
+      path: the ``events.jsonl`` file (or ``gs://.../events.jsonl``), or ``None`` to keep
+        events in memory only.
       write: whether this process writes the file (on several hosts only the primary
         host does; every host keeps the same events in memory).
 
@@ -333,13 +347,25 @@ class EventLog:
         self.write = write
         self._events: list[Event] = []
         self._lock = threading.Lock()  # a background save logs from its own thread
+        remote = self.path is not None and write and fsutil.is_remote(self.path)
+        self._parts = fsutil.PartLog(self.path) if remote else None
 
     def append(self, event: Event) -> None:
-        """Records ``event`` (and appends it to the file); safe from several threads."""
+        """Records ``event`` (and writes it out); safe from several threads."""
         with self._lock:
             self._events.append(event)
-            if self.path is not None and self.write:
+            if self._parts is not None:
+                self._parts.write(event.to_json())
+            elif self.path is not None and self.write:
                 append_line(self.path, event.to_json())
+        if self._parts is not None and event.kind in FLUSHED_BY:
+            self._parts.flush()
+
+    def flush(self) -> None:
+        """Writes the buffered events of an object-store log (nothing on a local disk,
+        where each event is on disk when :meth:`append` returns)."""
+        if self._parts is not None:
+            self._parts.flush()
 
     def count(self, kind: str) -> int:
         """The number of events of ``kind`` recorded so far."""
@@ -403,10 +429,14 @@ class JsonlMetricsWriter:
     are written as strings (``"nan"``), as in ``events.jsonl``. The file is opened with
     ``O_NOFOLLOW``: a symlink at ``path`` is an
     :class:`~stabljax.control.checkpoint.fsutil.UnsafePathError`. Use as a context manager or call
-    :meth:`close`.
+    :meth:`close`. On an object store (``gs://.../metrics.jsonl``) rows are buffered and
+    written as new objects at :meth:`flush`, :meth:`close` and when a row arrives
+    ``flush_every`` seconds after the oldest unwritten one
+    (:class:`~stabljax.control.checkpoint.fsutil.PartLog`): a crash loses the unwritten rows.
 
     Args:
       path: the file; its parent folders are created.
+      flush_every: on an object store, the most seconds a row waits while more arrive.
 
     Example:
       >>> import json, pathlib, tempfile
@@ -418,7 +448,11 @@ class JsonlMetricsWriter:
       [{'step': 0, 'loss': 2.0}, {'step': 1, 'loss': 'nan'}]
     """
 
-    def __init__(self, path: str | os.PathLike):
+    def __init__(self, path: str | os.PathLike, *, flush_every: float = 60.0):
+        if fsutil.is_remote(path):
+            self.path, self._parts = os.fspath(path), fsutil.PartLog(path, flush_every=flush_every)
+            return
+        self._parts = None
         self.path = pathlib.Path(path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
         # Not through a symlink planted at the file's name (fsutil.open_nofollow).
@@ -430,18 +464,30 @@ class JsonlMetricsWriter:
             self._file.write("\n")
 
     def __call__(self, step: int, metrics: Mapping[str, Any]) -> None:
-        if self._file.closed:
+        if self._closed:
             raise ValueError(f"JsonlMetricsWriter({self.path}) is closed")
         row = {"step": int(step), **{k: _json_number(v) for k, v in host_metrics(metrics).items()}}
+        if self._parts is not None:
+            self._parts.write(json.dumps(row, allow_nan=False))
+            return
         self._file.write(json.dumps(row, allow_nan=False) + "\n")
         self._file.flush()
 
+    @property
+    def _closed(self) -> bool:
+        return self._parts is None and self._file.closed
+
     def flush(self) -> None:
-        if not self._file.closed:
+        if self._parts is not None:
+            self._parts.flush()
+        elif not self._file.closed:
             self._file.flush()
 
     def close(self) -> None:
-        self._file.close()
+        if self._parts is not None:
+            self._parts.flush()
+        else:
+            self._file.close()
 
     def __enter__(self) -> JsonlMetricsWriter:
         return self
@@ -495,6 +541,7 @@ __all__ = (
     "EventKind",
     "EventLog",
     "EventSchemaError",
+    "FLUSHED_BY",
     "JsonlMetricsWriter",
     "SCHEMA_VERSION",
     "TensorBoardMetricsWriter",

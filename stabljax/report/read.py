@@ -23,7 +23,7 @@ import dataclasses
 import pathlib
 from typing import Any
 
-from stabljax.control.checkpoint import jsonio
+from stabljax.control.checkpoint import fsutil, jsonio
 from stabljax.control.events import Event, load_events
 
 RECORD = "stabljax-rollback.json"
@@ -41,7 +41,7 @@ class Run:
       warnings: one line per input line skipped (``"PATH:LINE: what was wrong"``).
     """
 
-    directory: pathlib.Path
+    directory: Any  # a pathlib.Path, or an etils.epath.Path on an object store
     events: list[Event]
     ledger: dict[str, Any]
     rows: list[dict[str, Any]]
@@ -80,7 +80,13 @@ class Run:
         return [e for e in self.events if e.kind in kinds]
 
 
-def read_ledger(directory: pathlib.Path) -> dict[str, Any]:
+def _committed(step_dir: Any) -> bool:
+    """Whether Orbax committed this step folder (its marker file: ``commit_success.txt``
+    on an object store, and on a local disk where Orbax writes one)."""
+    return (step_dir / "commit_success.txt").is_file()
+
+
+def read_ledger(directory: Any) -> dict[str, Any]:
     """The newest ledger of ``directory``: the meta item of its newest committed
     checkpoint, or the rollback record if that has seen more rollbacks.
 
@@ -88,9 +94,9 @@ def read_ledger(directory: pathlib.Path) -> dict[str, Any]:
     present but malformed raises :class:`~stabljax.control.checkpoint.jsonio.MalformedJSONError`
     naming its file.
     """
-    metas = []
+    metas, local = [], not fsutil.is_remote(directory)
     for d in sorted(directory.iterdir()) if directory.is_dir() else ():
-        if d.name.isdigit() and not d.is_symlink() and (d / "commit_success.txt").is_file():
+        if d.name.isdigit() and not (local and d.is_symlink()) and _committed(d):
             try:
                 metas.append(jsonio.read_meta(d / "meta" / "metadata"))
             except FileNotFoundError:
@@ -105,6 +111,9 @@ def read_ledger(directory: pathlib.Path) -> dict[str, Any]:
 def load_run(directory: str | pathlib.Path, metrics: str | pathlib.Path | None = None) -> Run:
     """Reads ``directory`` (and ``metrics``, default ``directory/metrics.jsonl``).
 
+    ``directory`` may be an object store's (``gs://bucket/run``): its logs are read as
+    the controller wrote them there (:class:`~stabljax.control.checkpoint.fsutil.PartLog`).
+
     Raises:
       ValueError: ``directory`` is not a directory or has no ``events.jsonl``; or (its
         subclasses) a malformed meta item or rollback record
@@ -112,15 +121,16 @@ def load_run(directory: str | pathlib.Path, metrics: str | pathlib.Path | None =
         another schema major version, a fixed-name file that is a symlink
         (:class:`~stabljax.control.checkpoint.fsutil.UnsafePathError`). Each message names the file.
     """
-    directory = pathlib.Path(directory)
+    remote = fsutil.is_remote(directory)
+    directory = fsutil.run_path(directory) if remote else pathlib.Path(directory)
     if not directory.is_dir():
         raise ValueError(f"directory {str(directory)!r} is not a directory")
     events_path = directory / "events.jsonl"
-    if not events_path.exists() and not events_path.is_symlink():
+    if not fsutil.log_exists(events_path):
         raise ValueError(f"directory {str(directory)!r} has no events.jsonl (not a run?)")
     events, warnings = load_events(events_path)
     # A path the user named may be a symlink; the run directory's own file may not.
-    path = pathlib.Path(metrics) if metrics is not None else directory / "metrics.jsonl"
+    path = metrics if metrics is not None else directory / "metrics.jsonl"
     rows, row_warnings = jsonio.read_jsonl(
         path, jsonio.METRICS_SCHEMA, extra=jsonio.Field("scalar"), follow=metrics is not None
     )

@@ -13,7 +13,6 @@ from typing import Any, Protocol
 
 from stabljax.control.checkpoint.integrity import (
     META_VERSION,
-    Seal,
     fingerprint,
     leaf_specs,
     node_specs,
@@ -38,7 +37,12 @@ class Trajectory(Protocol):
 
 
 class Saver:
-    """The save decisions and captures of one run."""
+    """The save decisions and captures of one run.
+
+    The store's :attr:`~CheckpointStore.seal` (``verify`` and ``STABLJAX_CHECKPOINT_KEY``:
+    what saves carry) is given to the store when it is built
+    (``Seal.from_env(verify)``).
+    """
 
     def __init__(
         self,
@@ -48,6 +52,7 @@ class Saver:
         *,
         keep: int,
         verify: bool | str,
+        background: bool = False,
     ):
         self.store, self.monitor, self.log, self.keep, self.verify = (
             store,
@@ -56,11 +61,13 @@ class Saver:
             keep,
             verify,
         )
-        # verify (True, False or "digest") and STABLJAX_CHECKPOINT_KEY: what saves carry
-        store.seal = Seal.from_env(verify)
-        self.background = False  # background_save
-        self.data: Any = None  # the data iterator and the state's structure, set on resume
+        self.background = background  # background_save
+        self.data: Any = None  # the data iterator and the state's structure (bind)
         self.abstract: Any = None
+
+    def bind(self, data: Any, abstract: Any) -> None:
+        """Takes the run's data iterator and the state's structure (each restore_or_init)."""
+        self.data, self.abstract = data, abstract
 
     def maybe_save(
         self,
@@ -81,9 +88,8 @@ class Saver:
             return
         blocker = policy.save_blocker(self.monitor.active_onsets(), self.monitor.last_loss)
         if blocker is not None:
-            if store.deferred is None:
+            if store.defer(step):
                 log("save_deferred", step, reason=blocker)
-                store.deferred = step
             return
         self.store.join_worker()
         background = self.background and not sync
@@ -107,4 +113,4 @@ class Saver:
             resume_only=resume_only and store.deferred is None,
         )
         store.submit(job) if background else job()
-        store.saved_at, store.deferred = step, None
+        store.mark_saved(step)

@@ -36,7 +36,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 from jax.experimental import multihost_utils
 
-from stabljax.control.checkpoint.fsutil import atomic_write_json
+from stabljax.control.checkpoint.fsutil import RunFiles
 from stabljax.control.checkpoint.integrity import CheckpointKeyError, Seal
 from stabljax.control.checkpoint.items import GrainStateReader, data_item
 from stabljax.control.checkpoint.jsonio import read_meta
@@ -171,40 +171,57 @@ def _is_disk_full(e: BaseException) -> bool:
     return False
 
 
+def _half_written(step_dir: Any) -> bool:
+    """An object store's step folder holding this run's items but no commit file (on an
+    object store Orbax writes in place and marks a finished step with one)."""
+    if (step_dir / "commit_success.txt").exists():
+        return False
+    return any((step_dir / item).exists() for item in ("state", "meta", "data"))
+
+
 class CheckpointStore:
     """The checkpoints in one directory: write, read, verify, keep, delete.
 
     Args:
-      directory: the checkpoint directory (checked and locked by the caller).
+      files: the run directory's owner, or the directory itself (checked and locked by
+        the caller); the checkpoints go to ``files.path`` (a local path or an object
+        store's).
       async_save: let Orbax write in the background.
       log: ``log(kind, step, **details)`` records an event (from any thread).
-      state_bytes: the size of one checkpoint, for the disk-full message.
       keep: the ``keep`` of the controller, for the disk-full message.
+      keeps_best: the best checkpoint is kept too (a ``rollback_best`` detector).
+      seal: what the meta item carries to prove it and the state (``verify``).
     """
 
     def __init__(
         self,
-        directory: pathlib.Path,
+        files: RunFiles | str | os.PathLike,
         *,
         async_save: bool,
         log: Callable[..., None],
         keep: int,
+        keeps_best: bool = False,
+        seal: Seal | None = None,
     ):
-        self.directory = directory
+        self.files = files if isinstance(files, RunFiles) else RunFiles(files)
+        self.directory = self.files.path
         self.async_save = async_save
         self.keep = keep
-        self.keeps_best = False  # the best checkpoint is kept too (a rollback_best detector)
-        self.seal = Seal()  # what the meta item carries to prove it and the state (the Saver's)
-        self.state_bytes = 0
+        self.keeps_best = keeps_best
+        self.seal = Seal() if seal is None else seal
+        self.state_bytes = 0  # the size of one checkpoint, for the disk-full message
         self.log = log
         self.retention = Retention(self)  # Orbax applies it at every save
         self.manager = StepManager(
-            directory,
+            self.directory,
             item_names=("state", "data", "meta"),
             options=ocp.CheckpointManagerOptions(
                 preservation_policy=self.retention,
                 enable_async_checkpointing=async_save,
-                cleanup_tmp_directories=True,
+                # On an object store Orbax's clean-up deletes every folder of the directory
+                # without its commit file: the logs' parts, stabljax-corrupt/ and a user's
+                # folders too. There clean_leftovers removes only half-written steps.
+                cleanup_tmp_directories=not self.files.remote,
                 todelete_subdir=TRASH,
                 create=True,
             ),
@@ -213,8 +230,8 @@ class CheckpointStore:
         # retention reads; only write() changes them while a save is in flight.
         self.scores: dict[int, float] = {}
         self.resume_only: set[int] = set()
-        self.saved_at: int | None = None  # the step of the newest checkpoint
-        self.deferred: int | None = None  # a due save waiting for a healthy state (Saver's)
+        self.saved_at: int | None = None  # the step of the newest checkpoint (mark_saved)
+        self.deferred: int | None = None  # a due save waiting for a healthy state (defer)
         self._inflight: tuple[int, dict[str, Any]] | None = None
         self._writing: int | None = None  # the step inside manager.save (not on disk yet)
         self._warned: set[int] = set()  # foreign folders already warned about
@@ -223,6 +240,21 @@ class CheckpointStore:
         self._working: concurrent.futures.Future | None = None
 
     # ------------------------------------------------------------------ saves in flight
+
+    def expect_size(self, nbytes: int) -> None:
+        """Records the size of one checkpoint (for the disk-full message)."""
+        self.state_bytes = int(nbytes)
+
+    def defer(self, step: int) -> bool:
+        """Marks the save due at ``step`` as deferred; whether it was not already."""
+        if self.deferred is not None:
+            return False
+        self.deferred = step
+        return True
+
+    def mark_saved(self, step: int) -> None:
+        """Records that checkpoint ``step`` is written (or on its way) and nothing waits."""
+        self.saved_at, self.deferred = step, None
 
     def submit(self, write: Callable[[], None]) -> None:
         """Runs ``write`` on the background worker thread."""
@@ -264,7 +296,7 @@ class CheckpointStore:
     def _failed(self, step: int, e: BaseException) -> CheckpointSaveError:
         cause = f"{type(e).__name__}: {e}"[:400]
         self.log("save_failed", step, error=cause)
-        if _is_disk_full(e):
+        if _is_disk_full(e) and not self.files.remote:
             free = shutil.disk_usage(self.directory).free
             need = self.state_bytes
             msg = (
@@ -348,10 +380,11 @@ class CheckpointStore:
         return self.saved_at
 
     def write_record(self, record: Mapping[str, Any]) -> None:
-        """Writes the rollback record (:data:`RECORD`; the primary host, atomic rename) and
-        waits until every process is past it, so no process deletes before it is on disk."""
+        """Writes the rollback record (:data:`RECORD`; the primary host, whole or not at
+        all: :meth:`RunFiles.write_json`) and waits until every process is past it, so no
+        process deletes before it is written."""
         if is_primary():
-            atomic_write_json(self.directory / RECORD, dict(record))
+            self.files.write_json(RECORD, dict(record))
         barrier(f"rollback_record_{record['rollbacks']}")
 
     # --------------------------------------------------------------------------- reads
@@ -381,7 +414,7 @@ class CheckpointStore:
         ``RuntimeError``, before anything is moved or written."""
         foreign = self.foreign()
         if refuse_if_no_run and foreign and not self.steps():
-            if not (self.directory / "events.jsonl").exists():
+            if not self.files.exists("events.jsonl", log=True):
                 raise RuntimeError(
                     f"{self.directory} holds no stabljax run, but folders named like steps "
                     f"that are not checkpoints ({', '.join(map(str, foreign[:5]))}): it looks "
@@ -492,8 +525,8 @@ class CheckpointStore:
         and removed by a background thread. A crash mid-way leaves a
         ``stabljax-trash.*`` folder, which :meth:`clean_leftovers` removes.
         """
-        if not is_primary():
-            return
+        if not is_primary() or self.files.remote:
+            return  # on an object store Orbax deletes at once (no rename, no trash)
         trash = self.directory / TRASH
         if trash.exists():
             doomed = trash.with_name(f"{TRASH}.{uuid.uuid4().hex}")
@@ -501,9 +534,14 @@ class CheckpointStore:
             self._sweeper.remove(doomed)
 
     def clean_leftovers(self) -> None:
-        """Removes what a crash left: a half-written record, a trash sweep cut short."""
+        """Removes what a crash left: a half-written record, a trash sweep cut short; on an
+        object store, a step folder of this run's items that Orbax never committed."""
         self.settle()
-        if is_primary():
+        if is_primary() and self.files.remote:
+            for path in self.directory.iterdir():
+                if path.name.isdigit() and _half_written(path):
+                    self.files.remove(path.name)
+        elif is_primary():
             for tmp in self.directory.glob(f".{RECORD}.tmp-*"):
                 tmp.unlink(missing_ok=True)
             for doomed in self.directory.glob(f"{TRASH}.*"):
@@ -512,11 +550,8 @@ class CheckpointStore:
 
     def set_aside(self, step: int) -> None:
         """Moves a corrupt checkpoint to ``stabljax-corrupt/`` (kept for inspection)."""
-        path = self.directory / str(step)
-        if is_primary() and path.exists():
-            dest = self.directory / CORRUPT
-            dest.mkdir(exist_ok=True)
-            os.replace(path, dest / f"{step}-{int(time.time())}")
+        if is_primary() and self.files.exists(str(step)):
+            self.files.move(str(step), f"{CORRUPT}/{step}-{int(time.time())}")
         barrier(f"set_aside_{step}")
         self.manager.reload()
 

@@ -197,7 +197,9 @@ def is_spike(value: float, reference: Sequence[float], cfg: TriageConfig) -> boo
 
 
 class _OutOfBudget(Exception):
-    partial: tuple[str, list[dict[str, Any]]] = ("", [])  # the phase cut short, its steps
+    def __init__(self, message: str, partial: tuple[str, list[dict[str, Any]]] = ("", [])):
+        super().__init__(message)
+        self.partial = partial  # the phase cut short, its steps
 
 
 def _host(tree: Any) -> Any:
@@ -288,9 +290,8 @@ class _Replayer:
                     jax.block_until_ready(pending[k - 2][2])
                 state, metrics = self.step_fn(state, self.batch_at(index))
                 pending.append((first_step + k, index, metrics))
-        except _OutOfBudget as e:
-            e.partial = (phase, self._fetch(phase, pending, keep))  # logged, and evidence
-            raise
+        except _OutOfBudget as e:  # the steps so far are logged, and evidence
+            raise _OutOfBudget(str(e), (phase, self._fetch(phase, pending, keep))) from None
         return self._fetch(phase, pending, keep), before_last
 
     def _fetch(self, phase: str, pending, keep: bool) -> list[dict[str, Any]]:
