@@ -19,7 +19,7 @@ import os
 import pathlib
 import signal
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import jax
@@ -36,9 +36,9 @@ from stabljax.control.decide.remedies import RollbackInfo, check_remedy, describ
 from stabljax.control.detect.detectors import Detection, Detector
 from stabljax.control.detect.drift import default_detectors
 from stabljax.control.detect.monitor import Monitor
-from stabljax.control.diagnose.screen import SCREENED, extend_over_window
+from stabljax.control.diagnose.screen import SCREENED, can_screen, extend_over_window
 from stabljax.control.diagnose.triage import TriageConfig, as_config, for_rollback
-from stabljax.control.errors import DataExhausted, Preempted
+from stabljax.control.errors import DataExhausted, Preempted, warn
 from stabljax.control.events import Event, EventLog
 from stabljax.control.session import (
     DirectoryLock,
@@ -148,6 +148,14 @@ class RollbackController:
       2.0 True
     """
 
+    # The run's target (``state.step`` to reach): declared by run, steps or restore_or_init's
+    # total_steps. Without one, a rollback warns that a loop counting its own steps ends short.
+    _target: int | None = None
+    _target_by_run = False
+    _untargeted_warned = False
+    _unfinished = False  # steps taken since the last save of the final state (finish)
+    _steps_called = 0  # calls of step(): a steps() loop that never calls it is named
+
     def __init__(
         self,
         directory: str | os.PathLike,
@@ -252,7 +260,9 @@ class RollbackController:
         self._store.manager.reload()
         return self._store.steps()
 
-    def restore_or_init(self, state: Any, data: Any) -> tuple[Any, DataIterator]:
+    def restore_or_init(
+        self, state: Any, data: Any, *, total_steps: int | None = None
+    ) -> tuple[Any, DataIterator]:
         """Resumes from the newest valid checkpoint, or saves ``state`` as the first one.
 
         Restores train state (to ``state``'s shapes, dtypes and shardings), data position,
@@ -263,12 +273,30 @@ class RollbackController:
         the state (``state`` itself in an empty directory) and a
         :class:`~stabljax.control.data.iterators.DataIterator` at the next batch; use it from
         now on.
+
+        ``total_steps``: the ``state.step`` this run trains to (as :meth:`steps` declares
+        it). A rollback moves ``state.step`` back, so a loop that counts its own steps
+        (``for step in range(N)``) would end short: with the target declared, :meth:`finish`
+        raises when ``state.step`` is below it; without one, the first rollback warns.
+        ``screen_ahead`` on data that can neither fetch by index nor move back warns here.
         """
         check_state(state)
+        if total_steps is not None:
+            self._declare_target(total_steps, by_run=False)
         if self._closed:
             self._open()
-        self._stepped = None
+        self._stepped, self._unfinished = None, False
         self._data = as_data_iterator(data)
+        if self.screen_ahead and not can_screen(self._data):
+            source = getattr(self._data, "source", None)
+            over = f" over a {type(source).__module__}.{type(source).__name__}" if source else ""
+            warn(
+                f"screen_ahead={self.screen_ahead} does nothing on {type(self._data).__name__}"
+                f"{over}: it can neither fetch a batch by index nor move back, so a rollback "
+                "cannot look past its skip and the skip stays blind (doubled on each "
+                "consecutive rollback). Use IndexedBatches(batch_fn), a grain.MapDataset, or a "
+                "grain.DataLoader whose operations are 1:1 maps and one Batch"
+            )
         if self.triage is not None and self.triage.narrow_skip and not self._data.can_rewind:
             raise ValueError(
                 f"TriageConfig(narrow_skip=True) moves the data back to the restored "
@@ -322,6 +350,8 @@ class RollbackController:
         data = self._resolve(data)
         self._check_advanced()
         self._step += 1
+        self._steps_called += 1
+        self._unfinished = True
         previous, self._pending = self._pending, (self._step - 1, metrics)
         # A device copy (the next train step may donate this state), read on the next call,
         # when it is ready: the check costs no wait.
@@ -334,6 +364,7 @@ class RollbackController:
         if self._watch.should_stop(self._step, agree=due):
             state = self._flush_and_save(state, sync=True, off_grid=not due)
             saved = self._store.saved_at == self._step
+            self._unfinished = not saved
             self._log("preempted", self._step, signal=self._watch.signum, saved=saved)
             raise Preempted(self._step, self._watch.signum, saved, state)
         if due or self._store.deferred is not None:
@@ -341,10 +372,60 @@ class RollbackController:
         return state, data
 
     def finish(self, state: Any, data: Any) -> tuple[Any, Any]:
-        """Reads the last pending metrics and saves the state (waits); may roll back."""
+        """Reads the last pending metrics and saves the state (waits); may roll back.
+
+        With a target declared (:meth:`steps`, ``restore_or_init(total_steps=)``), a
+        ``state.step`` still below it, once the state is saved, raises ``RuntimeError``
+        naming the steps missing (a loop that ended early, or a rollback here): a run never
+        ends short in silence. A restart resumes from the checkpoints on disk.
+        """
         data = self._resolve(data)
         self._check_advanced()
-        return self._flush_and_save(state, sync=True), data
+        state = self._flush_and_save(state, sync=True)
+        self._unfinished = False
+        target, step = self._target, self._step
+        if target is not None and not self._target_by_run and step < target:
+            raise RuntimeError(
+                f"the run ended at step {step}, {target - step} steps short of its target "
+                f"{target} (total_steps): a rollback moved state.step back, and the loop "
+                f"stopped counting by itself. The state of step {step} is saved. Loop with "
+                f"`for step in ctl.steps({target}):`, which runs until state.step == "
+                f"{target} and so re-runs the steps a rollback took back; a restart resumes "
+                "from the checkpoint"
+            )
+        return state, data
+
+    def steps(self, num_steps: int) -> Iterator[int]:
+        """The steps of a hand-written loop: yields ``current_step`` until it is ``num_steps``.
+
+        ``num_steps`` is a target, as in :meth:`run`: a rollback moves ``current_step``
+        back and the loop runs the lost steps again, where ``for step in range(N)`` would
+        end short (the run's target is declared, so :meth:`finish` checks it). Each
+        iteration must call :meth:`step` once, else ``RuntimeError``.
+
+        Example:
+          >>> for step in ctl.steps(1000):  # doctest: +SKIP
+          ...     state, metrics = train_step(state, next(data))
+          ...     state, data = ctl.step(state, metrics, data)
+          >>> state, data = ctl.finish(state, data)  # doctest: +SKIP
+        """
+        if self._step is None:
+            raise RuntimeError("call restore_or_init(state, data) before steps()")
+        target = self._declare_target(num_steps, by_run=False)
+        while self._step < target:
+            calls = self._steps_called
+            yield self._step
+            if self._steps_called == calls:
+                raise RuntimeError(
+                    f"step {self._step}: the loop over ctl.steps({target}) did not call "
+                    "ctl.step(state, metrics, data) in its iteration; call it once per step"
+                )
+
+    def _declare_target(self, num_steps: Any, *, by_run: bool) -> int:
+        if isinstance(num_steps, bool) or not isinstance(num_steps, int) or num_steps < 0:
+            raise ValueError(f"the target number of steps must be an int >= 0, got {num_steps!r}")
+        self._target, self._target_by_run = int(num_steps), by_run
+        return self._target
 
     def run(
         self,
@@ -366,15 +447,17 @@ class RollbackController:
         ``metrics_writer(step, metrics)`` gets every ``log_every``-th step's scalars one step
         late (:mod:`stabljax.control.events`), so the device never waits for them.
         """
+        target = self._declare_target(num_steps, by_run=True)
         if self._closed or self._step is None or self._data is None:
             state, data = self.restore_or_init(state, data)
-        data, target = self._resolve(data), int(num_steps)
+        data = self._resolve(data)
         self._train_step = train_step  # what triage replays
         bar = Progress(target, self._step, enabled=progress)
         try:
             args = (train_step, state, data, target, bar, metrics_writer, log_every)
             state, data, preempted, exhausted = drive(self, *args)
         except BaseException:
+            self._unfinished = False  # the exception says it, not a second warning
             self.close(quiet=True)
             raise
         self.close()
@@ -388,6 +471,9 @@ class RollbackController:
         if self._closed:
             return
         self._closed = True
+        if self._unfinished:
+            self._unfinished = False
+            warn(self._unfinished_message("closed"))
         try:
             self._store.settle()
             self._store.retain()
@@ -405,7 +491,21 @@ class RollbackController:
         return self
 
     def __exit__(self, exc_type, *exc) -> None:
+        if exc_type is not None:
+            self._unfinished = False  # the exception says it, not a second warning
         self.close(quiet=exc_type is not None)
+
+    def __del__(self) -> None:
+        if getattr(self, "_unfinished", False) and not getattr(self, "_closed", True):
+            warn(self._unfinished_message("garbage-collected"))
+
+    def _unfinished_message(self, how: str) -> str:
+        saved = self._store.saved_at
+        return (
+            f"RollbackController was {how} at step {self._step} without finish(): the final "
+            f"state was not saved (the newest checkpoint is step {saved}) and its last loss "
+            "was not checked. Call `state, data = ctl.finish(state, data)` after the loop"
+        )
 
     def __repr__(self) -> str:
         args = f"save_every={self.save_every}, keep={self.keep}, step={self._step}"
@@ -565,7 +665,10 @@ class RollbackController:
         return state, plan.with_remedy(describe(self.remedy, info), info.to_json())
 
     def _log_rollback(self, plan: policy.RollbackPlan, losses: Any, report: Any) -> None:
+        """Logs the rollback's events (``self._step`` is still the step rolled back from);
+        the first rollback of a run with no target declared also warns."""
         entry, skip, at = plan.entry, plan.skip, plan.detected
+        back = self._step - plan.target
         self._log(
             "rollback",
             at,
@@ -575,7 +678,19 @@ class RollbackController:
             reason=entry["reason"],
             losses=losses,
             rollbacks=plan.ledger.rollbacks,
+            steps_back=back,
+            target_steps=self._target,
         )
+        if self._target is None and not self._untargeted_warned:
+            self._untargeted_warned = True
+            warn(
+                f"rollback at step {self._step}: state.step went back to {plan.target}, so "
+                f"{back} steps are trained again, and a loop that counts its own steps "
+                f"(`for step in range(N)`) now ends {back} steps short of N, silently. Loop "
+                "with `for step in ctl.steps(N):` (it runs until state.step == N), or declare "
+                "the target with `ctl.restore_or_init(state, data, total_steps=N)` so that "
+                "finish() raises if the run ends short"
+            )
         screened = {k: entry[k] for k in SCREENED if k in entry}
         self._log(
             "skip", at, range=entry["range"], length=skip.length, doubled=skip.doubled, **screened

@@ -5,6 +5,8 @@
 * :func:`parse_grain_state`: a Grain state from a dict, JSON text or JSON bytes.
 * :func:`loader_operations`: whether a ``grain.DataLoader`` can be moved by state
   arithmetic (1:1 operations and one batch), and if not, which operations stop it.
+* :func:`inexact_operations`: the operations whose buffers Grain's checkpoint of a
+  ``DataLoader`` does not hold (packing), so that a resume is not bit-exact.
 """
 
 from __future__ import annotations
@@ -59,17 +61,7 @@ def loader_operations(loader: Any) -> tuple[int | None, list[str]]:
     ops = getattr(loader, "_operations", None)
     if ops is None:
         return None, ["unknown operations"]
-    legacy = grain_legacy
-    one_to_one = tuple(
-        getattr(grain.transforms, n)
-        for n in ("Map", "RandomMap", "MapWithIndex", "TfRandomMap")
-        if hasattr(grain.transforms, n)
-    ) + tuple(
-        getattr(legacy, n) for n in ("MapOperation", "RandomMapOperation") if hasattr(legacy, n)
-    )
-    batches = (grain.transforms.Batch,) + tuple(
-        getattr(legacy, n) for n in ("BatchOperation",) if hasattr(legacy, n)
-    )
+    one_to_one, batches = _one_to_one(), _batches()
     batch, draining = None, []
     for op in ops:
         if isinstance(op, batches):
@@ -81,3 +73,55 @@ def loader_operations(loader: Any) -> tuple[int | None, list[str]]:
     if draining:
         return None, draining
     return (batch if batch is not None else 1), []
+
+
+def inexact_operations(loader: Any) -> list[str]:
+    """The operations of a ``grain.DataLoader`` that a resume from its state does not redo.
+
+    Grain checkpoints a DataLoader as the last record index each worker has read. An
+    operation that emits one output per input (a map), drops inputs (``Filter``) or groups
+    them into one output (``Batch``) is resumed exactly from that; one that carries records
+    over from one output to the next (``PackAndBatchOperation``: the parts of records not
+    yet packed) holds a buffer that state lacks, so the resumed stream differs from the
+    uninterrupted one (upstream Grain behaves the same). Those are named.
+
+    Example:
+      >>> import grain
+      >>> from stabljax.control.data.grain_state import inexact_operations
+      >>> ops = [grain.experimental.PackAndBatchOperation({"t": 8}, batch_size=2)]
+      >>> loader = grain.DataLoader(data_source=[{"t": [1]}] * 4, operations=ops,
+      ...     sampler=grain.samplers.IndexSampler(4, num_epochs=1), worker_count=0)
+      >>> inexact_operations(loader)
+      ['PackAndBatchOperation']
+    """
+    ops = getattr(loader, "_operations", None)
+    if ops is None:
+        return ["unknown operations"]
+    exact = _one_to_one() + _batches() + _filters()
+    return [type(op).__name__ for op in ops if not isinstance(op, exact)]
+
+
+def _one_to_one() -> tuple[type, ...]:
+    return tuple(
+        getattr(grain.transforms, n)
+        for n in ("Map", "RandomMap", "MapWithIndex", "TfRandomMap")
+        if hasattr(grain.transforms, n)
+    ) + tuple(
+        getattr(grain_legacy, n)
+        for n in ("MapOperation", "RandomMapOperation")
+        if hasattr(grain_legacy, n)
+    )
+
+
+def _batches() -> tuple[type, ...]:
+    return (grain.transforms.Batch,) + tuple(
+        getattr(grain_legacy, n) for n in ("BatchOperation",) if hasattr(grain_legacy, n)
+    )
+
+
+def _filters() -> tuple[type, ...]:
+    return tuple(
+        getattr(m, n)
+        for m, n in ((grain.transforms, "Filter"), (grain_legacy, "FilterOperation"))
+        if hasattr(m, n)
+    )

@@ -28,7 +28,12 @@ from typing import Any
 
 import grain
 
-from stabljax.control.data.grain_state import GrainState, loader_operations, parse_grain_state
+from stabljax.control.data.grain_state import (
+    GrainState,
+    inexact_operations,
+    loader_operations,
+    parse_grain_state,
+)
 from stabljax.control.decide.policy import first_allowed, merge_ranges
 from stabljax.control.errors import warn as warn_user
 
@@ -449,6 +454,14 @@ class GrainLoaderIterator(DataIterator):
             warn_user(
                 f"this grain.DataLoader's operations {', '.join(self._draining)} change the "
                 "number of records: skipping will drain it."
+            )
+        inexact = inexact_operations(loader) if loader is not None else ["unknown operations"]
+        if inexact:
+            warn_user(
+                f"this grain.DataLoader's operations {', '.join(inexact)} keep records between "
+                "batches that Grain's checkpoint does not hold: a resume (a restart or a "
+                "rollback) will not be bit-exact, the batches after it differ from an "
+                "uninterrupted run's."
             )
         elif start is None:  # an iterator restored or advanced before it was wrapped
             self._index = self._batches_consumed()
