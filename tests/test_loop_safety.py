@@ -181,7 +181,7 @@ def test_screen_ahead_on_data_that_cannot_move_back_warns_naming_the_iterator(tm
             ctl.restore_or_init(state0, batches)
         messages = [str(w.message) for w in caught]
         screen = [m for m in messages if "screen_ahead" in m]
-        assert len(screen) == 1 and "screen_ahead=64 does nothing on PlainIterator" in screen[0]
+        assert len(screen) == 1 and "screen_ahead=64: PlainIterator" in screen[0]
         assert "builtins.generator" in screen[0]
     with warnings.catch_warnings():
         warnings.filterwarnings("error", ".*screen_ahead")

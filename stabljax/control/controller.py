@@ -3,9 +3,8 @@
 :class:`RollbackController` is the public face and the order of things; the parts are
 :mod:`~stabljax.control.checkpoint.store` (checkpoints), :mod:`~stabljax.control.resume` (resume,
 roll back, the data position), :mod:`~stabljax.control.decide.policy` (pure decisions) and
-:mod:`~stabljax.control.detect.monitor` (detectors). Here too is the controller's life in an
-operator's world (the directory lock, preemption, the run loop) is
-:mod:`~stabljax.control.session`.
+:mod:`~stabljax.control.detect.monitor` (detectors); the operator's world (the directory
+lock, preemption, the run loop) is :mod:`~stabljax.control.session`.
 
 References:
   Chowdhery et al., `PaLM: Scaling Language Modeling with Pathways
@@ -25,7 +24,7 @@ from typing import Any
 import jax
 import orbax.checkpoint as ocp
 
-from stabljax.control import resume
+from stabljax.control import loop, resume
 from stabljax.control.checkpoint.integrity import check_verify, jsonable, state_bytes
 from stabljax.control.checkpoint.saver import Saver
 from stabljax.control.checkpoint.store import CheckpointStore, is_primary, to_host
@@ -35,10 +34,10 @@ from stabljax.control.decide.policy import Ledger
 from stabljax.control.decide.remedies import RollbackInfo, check_remedy, describe, remedy_event
 from stabljax.control.detect.detectors import Detection, Detector
 from stabljax.control.detect.drift import default_detectors
-from stabljax.control.detect.monitor import Monitor
-from stabljax.control.diagnose.screen import SCREENED, can_screen, extend_over_window
+from stabljax.control.detect.monitor import EMA_DECAY, Monitor
+from stabljax.control.diagnose.screen import SCREENED, extend_over_window
 from stabljax.control.diagnose.triage import TriageConfig, as_config, for_rollback
-from stabljax.control.errors import DataExhausted, Preempted, warn
+from stabljax.control.errors import DataExhausted, Preempted
 from stabljax.control.events import Event, EventLog
 from stabljax.control.session import (
     DirectoryLock,
@@ -97,25 +96,17 @@ class RollbackController:
         for Ctrl-C); JAX's sync point decides on several processes.
       data_config: JSON-able batch size, sequence length, corpus...; default the data's
         ``config``. A resume with another one is a ``CheckpointMismatch``.
-      triage: ``True`` or a :class:`~stabljax.control.diagnose.triage.TriageConfig`: after each
-        rollback under :meth:`run`, replay the window on copies of the state and log a
-        ``triage`` event (verdict ``data``/``state``/``nondeterministic``, evidence,
-        culprits, attribution). Off by default; ``False`` changes nothing.
-      remedy: ``remedy(state, info) -> state``, applied to the restored state at every
-        rollback (after triage, so ``info.verdict`` is set) before training resumes, and
-        logged as a ``remedy`` event; ``info`` is a
-        :class:`~stabljax.control.decide.remedies.RollbackInfo`. Built-ins in
-        :mod:`~stabljax.control.decide.remedies` (``lower_lr``, ``scale_hyperparam``,
-        ``reset_second_moment``, ``by_verdict``, ``chain_remedies``). A restart that finds
-        only checkpoints from before the last rollback applies it again (``reapplied``).
-      screen_ahead: after each rollback, screen up to this many batches past the planned
-        skip (:func:`~stabljax.control.diagnose.screen.screen_ahead`: each run from a copy of the
-        restored state) and extend the skip while their loss is a spike against the
-        losses before the onset (triage's rule, :func:`~stabljax.control.diagnose.triage.is_spike`),
-        so one rollback passes a whole bad window; the skip event records the screened
-        range and losses. ``0`` (the default) keeps the blind skip, which doubles on each
-        consecutive rollback. Needs the train step (:meth:`run`'s, or ``screen_step``)
-        and data that can fetch by index or move back (IndexedBatches, seekable Grain).
+      triage: ``True`` or a ``TriageConfig``: after each rollback under :meth:`run`, replay the
+        window on copies of the state and log a ``triage`` event (verdict ``data``/``state``/
+        ``nondeterministic``, evidence, culprits, attribution). Off by default.
+      remedy: ``remedy(state, info: RollbackInfo) -> state``, applied to the restored state at
+        every rollback, after triage, and logged; a restart with only older checkpoints
+        applies it again (built-ins: :mod:`~stabljax.control.decide.remedies`).
+      screen_ahead: after each rollback, run up to this many batches past the skip from
+        copies of the restored state and extend the skip while their loss is a spike
+        (:mod:`~stabljax.control.diagnose.screen`), so one rollback passes a whole bad
+        window. ``0`` (the default): the blind skip, doubled on each consecutive rollback.
+        Needs the train step (:meth:`run`'s, or ``screen_step``).
       screen_step: the train step to screen with in a hand-written loop (under
         :meth:`run`, the one given to it).
 
@@ -147,14 +138,6 @@ class RollbackController:
       >>> print(round(float(state.w), 4), ctl.last_run.reached)
       2.0 True
     """
-
-    # The run's target (``state.step`` to reach): declared by run, steps or restore_or_init's
-    # total_steps. Without one, a rollback warns that a loop counting its own steps ends short.
-    _target: int | None = None
-    _target_by_run = False
-    _untargeted_warned = False
-    _unfinished = False  # steps taken since the last save of the final state (finish)
-    _steps_called = 0  # calls of step(): a steps() loop that never calls it is named
 
     def __init__(
         self,
@@ -210,6 +193,7 @@ class RollbackController:
         self._ledger = Ledger()  # survives rollbacks
         self._stepped: tuple[int, Any] | None = None  # (expected, state.step): last call's
         self.last_run: RunResult | None = None
+        self._loop = loop.LoopGuard()  # the run's target; whether its final state is saved
 
     def _open(self) -> None:
         self._lock.acquire()
@@ -268,42 +252,20 @@ class RollbackController:
         Restores train state (to ``state``'s shapes, dtypes and shardings), data position,
         ledger and detector state; an unreadable checkpoint is a ``corrupt_checkpoint``
         event and goes to ``stabljax-corrupt/``; a crash mid-rollback is finished first.
-        Other leaves, dtypes, shapes, tree structure or data config than the checkpoint's raise
-        :class:`~stabljax.control.errors.CheckpointMismatch`. Returns ``(state, data)``:
-        the state (``state`` itself in an empty directory) and a
-        :class:`~stabljax.control.data.iterators.DataIterator` at the next batch; use it from
-        now on.
-
-        ``total_steps``: the ``state.step`` this run trains to (as :meth:`steps` declares
-        it). A rollback moves ``state.step`` back, so a loop that counts its own steps
-        (``for step in range(N)``) would end short: with the target declared, :meth:`finish`
-        raises when ``state.step`` is below it; without one, the first rollback warns.
-        ``screen_ahead`` on data that can neither fetch by index nor move back warns here.
+        Other leaves, dtypes, shapes, tree structure or data config than the checkpoint's
+        raise ``CheckpointMismatch``. Returns the state (``state`` itself in an empty
+        directory) and a ``DataIterator`` at the next batch: use it from now on.
+        ``total_steps``: the target; :meth:`finish` raises below it (without one, the first
+        rollback warns: :mod:`~stabljax.control.loop`).
         """
         check_state(state)
         if total_steps is not None:
-            self._declare_target(total_steps, by_run=False)
+            self._loop.declare(total_steps)
         if self._closed:
             self._open()
-        self._stepped, self._unfinished = None, False
+        self._stepped, _ = None, self._loop.forget()
         self._data = as_data_iterator(data)
-        if self.screen_ahead and not can_screen(self._data):
-            source = getattr(self._data, "source", None)
-            over = f" over a {type(source).__module__}.{type(source).__name__}" if source else ""
-            warn(
-                f"screen_ahead={self.screen_ahead} does nothing on {type(self._data).__name__}"
-                f"{over}: it can neither fetch a batch by index nor move back, so a rollback "
-                "cannot look past its skip and the skip stays blind (doubled on each "
-                "consecutive rollback). Use IndexedBatches(batch_fn), a grain.MapDataset, or a "
-                "grain.DataLoader whose operations are 1:1 maps and one Batch"
-            )
-        if self.triage is not None and self.triage.narrow_skip and not self._data.can_rewind:
-            raise ValueError(
-                f"TriageConfig(narrow_skip=True) moves the data back to the restored "
-                f"checkpoint's position after a rollback, and {type(self._data).__name__} "
-                "cannot move back (a plain iterator, a filtered or packed Grain pipeline): "
-                "use IndexedBatches or a seekable Grain iterator, or narrow_skip=False"
-            )
+        loop.check_data(self._data, self.screen_ahead, self.triage)
         self._abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, state)
         self._saver.data, self._saver.abstract = self._data, self._abstract
         self._store.state_bytes = state_bytes(self._abstract)
@@ -350,8 +312,7 @@ class RollbackController:
         data = self._resolve(data)
         self._check_advanced()
         self._step += 1
-        self._steps_called += 1
-        self._unfinished = True
+        self._loop.stepped()
         previous, self._pending = self._pending, (self._step - 1, metrics)
         # A device copy (the next train step may donate this state), read on the next call,
         # when it is ready: the check costs no wait.
@@ -364,7 +325,8 @@ class RollbackController:
         if self._watch.should_stop(self._step, agree=due):
             state = self._flush_and_save(state, sync=True, off_grid=not due)
             saved = self._store.saved_at == self._step
-            self._unfinished = not saved
+            if saved:  # the state is on disk: no missing-finish warning
+                self._loop.forget()
             self._log("preempted", self._step, signal=self._watch.signum, saved=saved)
             raise Preempted(self._step, self._watch.signum, saved, state)
         if due or self._store.deferred is not None:
@@ -373,59 +335,20 @@ class RollbackController:
 
     def finish(self, state: Any, data: Any) -> tuple[Any, Any]:
         """Reads the last pending metrics and saves the state (waits); may roll back.
-
-        With a target declared (:meth:`steps`, ``restore_or_init(total_steps=)``), a
-        ``state.step`` still below it, once the state is saved, raises ``RuntimeError``
-        naming the steps missing (a loop that ended early, or a rollback here): a run never
-        ends short in silence. A restart resumes from the checkpoints on disk.
-        """
+        Then a state below the declared target raises ``RuntimeError`` (the steps missing)."""
         data = self._resolve(data)
         self._check_advanced()
         state = self._flush_and_save(state, sync=True)
-        self._unfinished = False
-        target, step = self._target, self._step
-        if target is not None and not self._target_by_run and step < target:
-            raise RuntimeError(
-                f"the run ended at step {step}, {target - step} steps short of its target "
-                f"{target} (total_steps): a rollback moved state.step back, and the loop "
-                f"stopped counting by itself. The state of step {step} is saved. Loop with "
-                f"`for step in ctl.steps({target}):`, which runs until state.step == "
-                f"{target} and so re-runs the steps a rollback took back; a restart resumes "
-                "from the checkpoint"
-            )
+        self._loop.finished(self._step)
         return state, data
 
     def steps(self, num_steps: int) -> Iterator[int]:
-        """The steps of a hand-written loop: yields ``current_step`` until it is ``num_steps``.
-
-        ``num_steps`` is a target, as in :meth:`run`: a rollback moves ``current_step``
-        back and the loop runs the lost steps again, where ``for step in range(N)`` would
-        end short (the run's target is declared, so :meth:`finish` checks it). Each
-        iteration must call :meth:`step` once, else ``RuntimeError``.
-
-        Example:
-          >>> for step in ctl.steps(1000):  # doctest: +SKIP
-          ...     state, metrics = train_step(state, next(data))
-          ...     state, data = ctl.step(state, metrics, data)
-          >>> state, data = ctl.finish(state, data)  # doctest: +SKIP
-        """
+        """Yields ``current_step`` until it is ``num_steps`` (a target, as in :meth:`run`), so a
+        loop re-runs what a rollback took back (``range(N)`` would end short); each iteration
+        calls :meth:`step` once (docs/guides/trainer_guards.md)."""
         if self._step is None:
             raise RuntimeError("call restore_or_init(state, data) before steps()")
-        target = self._declare_target(num_steps, by_run=False)
-        while self._step < target:
-            calls = self._steps_called
-            yield self._step
-            if self._steps_called == calls:
-                raise RuntimeError(
-                    f"step {self._step}: the loop over ctl.steps({target}) did not call "
-                    "ctl.step(state, metrics, data) in its iteration; call it once per step"
-                )
-
-    def _declare_target(self, num_steps: Any, *, by_run: bool) -> int:
-        if isinstance(num_steps, bool) or not isinstance(num_steps, int) or num_steps < 0:
-            raise ValueError(f"the target number of steps must be an int >= 0, got {num_steps!r}")
-        self._target, self._target_by_run = int(num_steps), by_run
-        return self._target
+        return loop.count_to(self, self._loop.declare(num_steps))
 
     def run(
         self,
@@ -447,7 +370,7 @@ class RollbackController:
         ``metrics_writer(step, metrics)`` gets every ``log_every``-th step's scalars one step
         late (:mod:`stabljax.control.events`), so the device never waits for them.
         """
-        target = self._declare_target(num_steps, by_run=True)
+        target = self._loop.declare(num_steps, by_run=True)
         if self._closed or self._step is None or self._data is None:
             state, data = self.restore_or_init(state, data)
         data = self._resolve(data)
@@ -457,7 +380,6 @@ class RollbackController:
             args = (train_step, state, data, target, bar, metrics_writer, log_every)
             state, data, preempted, exhausted = drive(self, *args)
         except BaseException:
-            self._unfinished = False  # the exception says it, not a second warning
             self.close(quiet=True)
             raise
         self.close()
@@ -471,9 +393,7 @@ class RollbackController:
         if self._closed:
             return
         self._closed = True
-        if self._unfinished:
-            self._unfinished = False
-            warn(self._unfinished_message("closed"))
+        self._loop.closing("closed", self._step, self._store.saved_at)
         try:
             self._store.settle()
             self._store.retain()
@@ -492,20 +412,12 @@ class RollbackController:
 
     def __exit__(self, exc_type, *exc) -> None:
         if exc_type is not None:
-            self._unfinished = False  # the exception says it, not a second warning
+            self._loop.forget()  # the exception says it, not a second warning
         self.close(quiet=exc_type is not None)
 
     def __del__(self) -> None:
-        if getattr(self, "_unfinished", False) and not getattr(self, "_closed", True):
-            warn(self._unfinished_message("garbage-collected"))
-
-    def _unfinished_message(self, how: str) -> str:
-        saved = self._store.saved_at
-        return (
-            f"RollbackController was {how} at step {self._step} without finish(): the final "
-            f"state was not saved (the newest checkpoint is step {saved}) and its last loss "
-            "was not checked. Call `state, data = ctl.finish(state, data)` after the loop"
-        )
+        if hasattr(self, "_loop") and not self._closed:
+            self._loop.closing("garbage-collected", self._step, self._store.saved_at)
 
     def __repr__(self) -> str:
         args = f"save_every={self.save_every}, keep={self.keep}, step={self._step}"
@@ -539,7 +451,9 @@ class RollbackController:
             losses = self._monitor.losses_before(verdict.detections[0].step)
             resume.give_up(verdict.detections, verdict.headline, losses, self._ledger, self._store)
         fed_end = self._data.next_index + 1 if early else self._data.index
-        return self._rollback(verdict.detections, fed_end)
+        before, restored = self._step, self._rollback(verdict.detections, fed_end)
+        self._loop.after_rollback(before, self._step)
+        return restored
 
     def _flush_and_save(self, state: Any, *, sync: bool = False, off_grid: bool = False) -> Any:
         """Reads the pending metrics, then saves unless they rolled back.
@@ -605,11 +519,11 @@ class RollbackController:
         checkpoint = policy.Target(target, int(meta["data_index"]), margin_met)
         kw = dict(active_onsets=onsets, losses=losses, triage=report)
         plan = policy.plan_rollback(triggers, self._ledger, checkpoint, fed_end, cfg, **kw)
-        plan = self._screen_hook(state, plan, losses)
+        plan = self._screen_hook(state, plan, losses, meta["ema"])
         state, plan = self._remedy_hook(state, plan, triggers)
         store.write_record(plan.record(time.time()))
         store.delete_newer_than(target)  # only now: a crash before this is finished on restart
-        self._log_rollback(plan, losses, report)
+        self._log_rollback(plan, losses, report, fed_end)
         # The checkpoint's trajectory (detectors, EMA) comes back; the run ledger moves on,
         # and the losses of the abandoned branch leave the history shown in events.
         monitor.load(meta)
@@ -624,51 +538,36 @@ class RollbackController:
         (:func:`~stabljax.control.diagnose.triage.for_rollback`) and returns its report."""
         if self.triage is None:
             return None
-        return for_rollback(
-            self.triage,
-            step_fn=self._train_step,
-            data=self._data,
-            store=self._store,
-            abstract=self._abstract,
-            verify=self.verify,
-            history=list(self._monitor.recent),
-            target=target,
-            state=state,
-            meta=meta,
-            onset=onset,
-            ranges=self._ledger.ranges,
-        )
+        kw = dict(step_fn=self._train_step, data=self._data, store=self._store, verify=self.verify)
+        kw |= dict(abstract=self._abstract, history=list(self._monitor.recent), meta=meta)
+        kw |= dict(target=target, state=state, onset=onset, ranges=self._ledger.ranges)
+        return for_rollback(self.triage, **kw)
 
-    def _screen_hook(self, state: Any, plan: policy.RollbackPlan, losses: Any) -> Any:
-        """With ``screen_ahead``, extends the skip over the anomalous batches past it."""
+    def _screen_hook(self, state: Any, plan: policy.RollbackPlan, losses: Any, ema: Any) -> Any:
+        """With ``screen_ahead``, extends the skip over the anomalous batches past it
+        (``ema``: the restored checkpoint's loss EMA, the level for data read ahead)."""
         step_fn = self.screen_step or self._train_step
         if not self.screen_ahead or plan.narrowed or step_fn is None:
             return plan
         rule = self.triage or TriageConfig()
-        return extend_over_window(plan, step_fn, state, self._data, losses, rule, self.screen_ahead)
+        level = float(ema[0]) / (1 - EMA_DECAY ** int(ema[1])) if int(ema[1]) else None
+        args = (plan, step_fn, state, self._data, losses, rule, self.screen_ahead, level)
+        return extend_over_window(*args)
 
     def _remedy_hook(self, state: Any, plan: policy.RollbackPlan, triggers: Sequence[Detection]):
         """With ``remedy``, changes the restored state and records it in the plan's entry
         (so the crash record carries it and a restart applies it again)."""
         if self.remedy is None:
             return state, plan
-        info = RollbackInfo(
-            step=plan.target,
-            onset=plan.onset,
-            rollbacks=plan.ledger.rollbacks,
-            skip=(plan.skip.start, plan.skip.end),
-            verdict=plan.entry.get("verdict"),
-            kinds=tuple(d.kind for d in triggers),
-            detected=plan.detected,
-        )
+        skip, kinds = (plan.skip.start, plan.skip.end), tuple(d.kind for d in triggers)
+        kw = dict(verdict=plan.entry.get("verdict"), kinds=kinds, detected=plan.detected)
+        info = RollbackInfo(plan.target, plan.onset, plan.ledger.rollbacks, skip, **kw)
         state = self.remedy(state, info)
         return state, plan.with_remedy(describe(self.remedy, info), info.to_json())
 
-    def _log_rollback(self, plan: policy.RollbackPlan, losses: Any, report: Any) -> None:
-        """Logs the rollback's events (``self._step`` is still the step rolled back from);
-        the first rollback of a run with no target declared also warns."""
+    def _log_rollback(self, plan: policy.RollbackPlan, losses: Any, report: Any, fed: int) -> None:
+        """Logs the events (``self._step`` is still the step rolled back from)."""
         entry, skip, at = plan.entry, plan.skip, plan.detected
-        back = self._step - plan.target
         self._log(
             "rollback",
             at,
@@ -678,20 +577,10 @@ class RollbackController:
             reason=entry["reason"],
             losses=losses,
             rollbacks=plan.ledger.rollbacks,
-            steps_back=back,
-            target_steps=self._target,
+            steps_back=self._step - plan.target,
+            target_steps=self._loop.target,
         )
-        if self._target is None and not self._untargeted_warned:
-            self._untargeted_warned = True
-            warn(
-                f"rollback at step {self._step}: state.step went back to {plan.target}, so "
-                f"{back} steps are trained again, and a loop that counts its own steps "
-                f"(`for step in range(N)`) now ends {back} steps short of N, silently. Loop "
-                "with `for step in ctl.steps(N):` (it runs until state.step == N), or declare "
-                "the target with `ctl.restore_or_init(state, data, total_steps=N)` so that "
-                "finish() raises if the run ends short"
-            )
-        screened = {k: entry[k] for k in SCREENED if k in entry}
+        screened = {k: entry[k] for k in SCREENED if k in entry} | {"fed_end": fed}
         self._log(
             "skip", at, range=entry["range"], length=skip.length, doubled=skip.doubled, **screened
         )

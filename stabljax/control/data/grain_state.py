@@ -7,6 +7,8 @@
   arithmetic (1:1 operations and one batch), and if not, which operations stop it.
 * :func:`inexact_operations`: the operations whose buffers Grain's checkpoint of a
   ``DataLoader`` does not hold (packing), so that a resume is not bit-exact.
+* :func:`advance_loader_state` and :func:`loader_batches_read`: a ``DataLoader``'s state
+  moved by ``n`` batches, and the batches it says were read (1:1 operations, one batch).
 """
 
 from __future__ import annotations
@@ -125,3 +127,65 @@ def _filters() -> tuple[type, ...]:
         for m, n in ((grain.transforms, "Filter"), (grain_legacy, "FilterOperation"))
         if hasattr(m, n)
     )
+
+
+def loader_warnings(loader: Any, draining: list[str]) -> list[str]:
+    """What a ``DataLoader``'s operations cost: skipping drains it (``draining``, from
+    :func:`loader_operations`), and a resume is not bit-exact (:func:`inexact_operations`)."""
+    out = []
+    if draining:
+        out.append(
+            f"this grain.DataLoader's operations {', '.join(draining)} change the number of "
+            "records: skipping will drain it."
+        )
+    if inexact := inexact_operations(loader):  # None: unknown operations
+        out.append(
+            f"this grain.DataLoader's operations {', '.join(inexact)} keep records between "
+            "batches that Grain's checkpoint does not hold: a resume (a restart or a rollback) "
+            "will not be bit-exact, the batches after it differ from an uninterrupted run's."
+        )
+    return out
+
+
+def advance_loader_state(st: dict[str, Any], n: int, batch: int, shards: int) -> dict[str, Any]:
+    """A ``DataLoader`` state (as a dict) moved ``n`` batches (``n < 0``: back).
+
+    Batches go round-robin over the :math:`W` workers (1 when ``worker_count`` is 0), so
+    worker :math:`w` gets :math:`\\lfloor n/W \\rfloor` batches, plus one if it is among the
+    next :math:`n \\bmod W` in the cycle, and its last seen index moves by :math:`B W S` per
+    batch (batch size :math:`B`, :math:`S` shards). Floor division and a non-negative
+    modulo keep it exact for ``n < 0``.
+
+    Example:
+      >>> from stabljax.control.data.grain_state import advance_loader_state
+      >>> st = {"worker_count": 0, "last_worker_index": -1, "last_seen_indices": {"0": 7}}
+      >>> advance_loader_state(st, 3, batch=4, shards=1)["last_seen_indices"]
+      {'0': 19}
+    """
+    st = json.loads(json.dumps(st))
+    workers = max(int(st["worker_count"]), 1)
+    cycle = (int(st["last_worker_index"]) + 1) % workers
+    for w in range(workers):
+        k = n // workers + (1 if (w - cycle) % workers < n % workers else 0)
+        st["last_seen_indices"][str(w)] += k * batch * workers * shards
+    st["last_worker_index"] = (cycle + n) % workers - 1
+    return st
+
+
+def loader_batches_read(st: dict[str, Any], batch: int, shards: int, shard_index: int) -> int:
+    """The batches a ``DataLoader`` state (as a dict) says this process has read.
+
+    Grain stores, per worker ``w`` of ``W`` and shard ``s`` of ``S``, the last record index
+    seen, ``s - W S + w S + n_w W S`` where ``n_w`` is the records worker ``w`` has read;
+    the batches read are ``sum(n_w) / B``.
+
+    Example:
+      >>> from stabljax.control.data.grain_state import loader_batches_read
+      >>> st = {"worker_count": 0, "last_seen_indices": {"0": 19}}
+      >>> loader_batches_read(st, batch=4, shards=1, shard_index=0)
+      5
+    """
+    workers = max(int(st["worker_count"]), 1)
+    seen, g = st["last_seen_indices"], workers * shards
+    records = sum((int(seen[str(w)]) - shard_index + g - w * shards) // g for w in range(workers))
+    return records // batch
