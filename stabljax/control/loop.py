@@ -80,7 +80,7 @@ def unfinished(how: str, step: int | None, saved: int | None) -> str:
 
     Example:
       >>> from stabljax.control.loop import unfinished
-      >>> unfinished("closed", 14, 10)[:75]
+      >>> unfinished("closed", 14, 10)[:74]
       'RollbackController was closed at step 14 without finish(): the final state'
     """
     return (
