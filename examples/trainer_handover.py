@@ -117,7 +117,7 @@ def train(cfg: Config, docs, held_out, workdir: pathlib.Path, on_step=None):
     ctl = stabljax.RollbackController(
         workdir / "ctl", save_every=cfg.save_every, screen_ahead=64, screen_step=train_step
     )
-    state, it = ctl.restore_or_init(state, it)
+    state, it = ctl.restore_or_init(state, it, total_steps=cfg.steps)
     log = []
     while int(state.step) < cfg.steps:
         state, metrics = train_step(state, next(it))

@@ -13,6 +13,7 @@ import difflib
 import pathlib
 import re
 
+import grain
 import jax
 import numpy as np
 import optax
@@ -226,3 +227,64 @@ def test_a_step_counter_that_did_not_advance_is_named_one_call_later(tmp_path):
         ):
             ctl.step(state, metrics, data)
         assert ctl.current_step == 6  # well before the next save (step 100)
+
+
+# ---------------------------------------------------------------------- the garbage window
+# Issue 52: a 20-batch window at about 2x the loss, right after a checkpoint. How many
+# rollbacks pass it, and how many of its batches are trained on again after the first one.
+
+
+class _KeepAll(grain.transforms.Filter):
+    """Keeps every record: the loader's position can then no longer be moved by state
+    arithmetic, so it can neither rewind nor be screened in place (a packed loader's case)."""
+
+    def filter(self, element) -> bool:
+        return True
+
+
+def window_retrained(events, window) -> tuple[int, list[int]]:
+    """``(rollbacks, window batches fed after the first rollback)``, from the events.
+
+    After rollback ``k`` training resumes at the restore event's ``data_index`` and feeds,
+    past the ranges skipped so far, up to the next rollback's ``fed_end`` (the end of the
+    run after the last one).
+    """
+    skips = [e for e in events if e.kind == "skip"]
+    resumes = [
+        e.details["data_index"]
+        for e in events
+        if e.kind == "restore" and e.details.get("reason") == "rollback"
+    ]
+    retrained, ranges = [], []
+    for k, skip in enumerate(skips):
+        ranges.append(range(*skip.details["range"]))
+        stop = skips[k + 1].details["fed_end"] if k + 1 < len(skips) else max(window) + 1
+        fed = [i for i in range(resumes[k], stop) if not any(i in r for r in ranges)]
+        retrained += [i for i in fed if i in window]
+    return len(skips), retrained
+
+
+def run_garbage_window(workdir, *, window=GARBAGE, keep_all=False, steps=STEPS, **ctl_kw):
+    """trainer_after on the garbage window, with controller overrides ``ctl_kw`` and, with
+    ``keep_all``, a loader that cannot move back. Returns ``(rollbacks, retrained, eval)``."""
+    cfg = adopt_after.Config(batch_size=32, steps=steps)
+    docs, held_out = make_docs(cfg, 2 * steps, garbage=window)
+    ns = _Namespace(stabljax)
+    ns.RollbackController = lambda *a, **kw: stabljax.RollbackController(*a, **(kw | ctl_kw))
+    loader = adopt_after.make_loader
+
+    def make_loader(docs, cfg):
+        made = loader(docs, cfg)
+        return grain.DataLoader(
+            data_source=docs,
+            sampler=grain.samplers.IndexSampler(len(docs), num_epochs=1, shuffle=False),
+            operations=[_KeepAll(), *made._operations] if keep_all else made._operations,
+            worker_count=0,
+        )
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(adopt_after, "stabljax", ns)
+        mp.setattr(adopt_after, "make_loader", make_loader)
+        _, bad_eval, _ = adopt_after.train(cfg, docs, held_out, workdir)
+    rollbacks, retrained = window_retrained(read_events(workdir / "ctl" / "events.jsonl"), window)
+    return rollbacks, retrained, bad_eval

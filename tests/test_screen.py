@@ -98,8 +98,10 @@ def test_what_cannot_be_screened_and_bad_arguments():
         warnings.simplefilter("ignore", RuntimeWarning)
         plain = PlainIterator(iter(range(10)))
     assert not can_screen(plain) and can_screen(_indexed(0)) and can_screen(_grain(0))
+    # A plain iterator is read ahead instead (tests/test_read_ahead.py); an iterator with
+    # no position to read ahead from cannot be screened at all.
     with pytest.raises(ValueError, match="cannot be screened"):
-        screen_ahead(step, state0(), plain, is_anomalous=anomalous, max_skip=3)
+        screen_ahead(step, state0(), iter(range(10)), is_anomalous=anomalous, max_skip=3)
     for bad in (0, -1, 2.5, True):
         with pytest.raises(ValueError, match="max_skip"):
             screen_ahead(step, state0(), _indexed(0), is_anomalous=anomalous, max_skip=bad)

@@ -3,9 +3,8 @@
 :class:`RollbackController` is the public face and the order of things; the parts are
 :mod:`~stabljax.control.checkpoint.store` (checkpoints), :mod:`~stabljax.control.resume` (resume,
 roll back, the data position), :mod:`~stabljax.control.decide.policy` (pure decisions) and
-:mod:`~stabljax.control.detect.monitor` (detectors). Here too is the controller's life in an
-operator's world (the directory lock, preemption, the run loop) is
-:mod:`~stabljax.control.session`.
+:mod:`~stabljax.control.detect.monitor` (detectors); the operator's world (the directory
+lock, preemption, the run loop) is :mod:`~stabljax.control.session`.
 
 References:
   Chowdhery et al., `PaLM: Scaling Language Modeling with Pathways
@@ -18,13 +17,13 @@ import functools
 import os
 import signal
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import jax
 import orbax.checkpoint as ocp
 
-from stabljax.control import resume
+from stabljax.control import loop, resume
 from stabljax.control.checkpoint.fsutil import RunFiles
 from stabljax.control.checkpoint.integrity import Seal, check_verify, jsonable, state_bytes
 from stabljax.control.checkpoint.saver import Saver
@@ -35,7 +34,7 @@ from stabljax.control.decide.policy import Ledger
 from stabljax.control.decide.remedies import RollbackInfo, check_remedy, describe, remedy_event
 from stabljax.control.detect.detectors import Detection, Detector
 from stabljax.control.detect.drift import default_detectors
-from stabljax.control.detect.monitor import Monitor
+from stabljax.control.detect.monitor import EMA_DECAY, Monitor
 from stabljax.control.diagnose.screen import SCREENED, extend_over_window
 from stabljax.control.diagnose.triage import TriageConfig, as_config, for_rollback
 from stabljax.control.errors import DataExhausted, Preempted
@@ -98,25 +97,17 @@ class RollbackController:
         for Ctrl-C); JAX's sync point decides on several processes.
       data_config: JSON-able batch size, sequence length, corpus...; default the data's
         ``config``. A resume with another one is a ``CheckpointMismatch``.
-      triage: ``True`` or a :class:`~stabljax.control.diagnose.triage.TriageConfig`: after each
-        rollback under :meth:`run`, replay the window on copies of the state and log a
-        ``triage`` event (verdict ``data``/``state``/``nondeterministic``, evidence,
-        culprits, attribution). Off by default; ``False`` changes nothing.
-      remedy: ``remedy(state, info) -> state``, applied to the restored state at every
-        rollback (after triage, so ``info.verdict`` is set) before training resumes, and
-        logged as a ``remedy`` event; ``info`` is a
-        :class:`~stabljax.control.decide.remedies.RollbackInfo`. Built-ins in
-        :mod:`~stabljax.control.decide.remedies` (``lower_lr``, ``scale_hyperparam``,
-        ``reset_second_moment``, ``by_verdict``, ``chain_remedies``). A restart that finds
-        only checkpoints from before the last rollback applies it again (``reapplied``).
-      screen_ahead: after each rollback, screen up to this many batches past the planned
-        skip (:func:`~stabljax.control.diagnose.screen.screen_ahead`: each run from a copy of the
-        restored state) and extend the skip while their loss is a spike against the
-        losses before the onset (triage's rule, :func:`~stabljax.control.diagnose.triage.is_spike`),
-        so one rollback passes a whole bad window; the skip event records the screened
-        range and losses. ``0`` (the default) keeps the blind skip, which doubles on each
-        consecutive rollback. Needs the train step (:meth:`run`'s, or ``screen_step``)
-        and data that can fetch by index or move back (IndexedBatches, seekable Grain).
+      triage: ``True`` or a ``TriageConfig``: after each rollback under :meth:`run`, replay the
+        window on copies of the state and log a ``triage`` event (verdict ``data``/``state``/
+        ``nondeterministic``, evidence, culprits, attribution). Off by default.
+      remedy: ``remedy(state, info: RollbackInfo) -> state``, applied to the restored state at
+        every rollback, after triage, and logged; a restart with only older checkpoints
+        applies it again (built-ins: :mod:`~stabljax.control.decide.remedies`).
+      screen_ahead: after each rollback, run up to this many batches past the skip from
+        copies of the restored state and extend the skip while their loss is a spike
+        (:mod:`~stabljax.control.diagnose.screen`), so one rollback passes a whole bad
+        window. ``0`` (the default): the blind skip, doubled on each consecutive rollback.
+        Needs the train step (:meth:`run`'s, or ``screen_step``).
       screen_step: the train step to screen with in a hand-written loop (under
         :meth:`run`, the one given to it).
 
@@ -204,6 +195,7 @@ class RollbackController:
         self._ledger = Ledger()  # survives rollbacks
         self._stepped: tuple[int, Any] | None = None  # (expected, state.step): last call's
         self.last_run: RunResult | None = None
+        self._loop = loop.LoopGuard()  # the run's target; whether its final state is saved
 
     def _open(self) -> None:
         self._lock.acquire()
@@ -251,30 +243,29 @@ class RollbackController:
         self._store.manager.reload()
         return self._store.steps()
 
-    def restore_or_init(self, state: Any, data: Any) -> tuple[Any, DataIterator]:
+    def restore_or_init(
+        self, state: Any, data: Any, *, total_steps: int | None = None
+    ) -> tuple[Any, DataIterator]:
         """Resumes from the newest valid checkpoint, or saves ``state`` as the first one.
 
         Restores train state (to ``state``'s shapes, dtypes and shardings), data position,
         ledger and detector state; an unreadable checkpoint is a ``corrupt_checkpoint``
         event and goes to ``stabljax-corrupt/``; a crash mid-rollback is finished first.
-        Other leaves, dtypes, shapes, tree structure or data config than the checkpoint's raise
-        :class:`~stabljax.control.errors.CheckpointMismatch`. Returns ``(state, data)``:
-        the state (``state`` itself in an empty directory) and a
-        :class:`~stabljax.control.data.iterators.DataIterator` at the next batch; use it from
-        now on.
+        Other leaves, dtypes, shapes, tree structure or data config than the checkpoint's
+        raise ``CheckpointMismatch``. Returns the state (``state`` itself in an empty
+        directory) and a ``DataIterator`` at the next batch: use it from now on.
+        ``total_steps``: the target; :meth:`finish` raises below it (without one, the first
+        rollback warns: :mod:`~stabljax.control.loop`).
         """
         check_state(state)
+        if total_steps is not None:
+            self._loop.declare(total_steps)
         if self._closed:
             self._open()
         self._stepped = None
+        self._loop.forget()
         self._data = as_data_iterator(data, stacklevel=2)  # warns at the user's line
-        if self.triage is not None and self.triage.narrow_skip and not self._data.can_rewind:
-            raise ValueError(
-                f"TriageConfig(narrow_skip=True) moves the data back to the restored "
-                f"checkpoint's position after a rollback, and {type(self._data).__name__} "
-                "cannot move back (a plain iterator, a filtered or packed Grain pipeline): "
-                "use IndexedBatches or a seekable Grain iterator, or narrow_skip=False"
-            )
+        loop.check_data(self._data, self.screen_ahead, self.triage)
         self._abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, state)
         self._saver.bind(self._data, self._abstract)
         self._store.expect_size(state_bytes(self._abstract))
@@ -321,6 +312,7 @@ class RollbackController:
         data = self._resolve(data)
         self._check_advanced()
         self._step += 1
+        self._loop.stepped()
         previous, self._pending = self._pending, (self._step - 1, metrics)
         # A device copy (the next train step may donate this state), read on the next call,
         # when it is ready: the check costs no wait.
@@ -333,6 +325,8 @@ class RollbackController:
         if self._watch.should_stop(self._step, agree=due):
             state = self._flush_and_save(state, sync=True, off_grid=not due)
             saved = self._store.saved_at == self._step
+            if saved:  # the state is on disk: no missing-finish warning
+                self._loop.forget()
             self._log("preempted", self._step, signal=self._watch.signum, saved=saved)
             raise Preempted(self._step, self._watch.signum, saved, state)
         if due or self._store.deferred is not None:
@@ -340,10 +334,21 @@ class RollbackController:
         return state, data
 
     def finish(self, state: Any, data: Any) -> tuple[Any, Any]:
-        """Reads the last pending metrics and saves the state (waits); may roll back."""
+        """Reads the last pending metrics and saves the state (waits); may roll back.
+        Then a state below the declared target raises ``RuntimeError`` (the steps missing)."""
         data = self._resolve(data)
         self._check_advanced()
-        return self._flush_and_save(state, sync=True), data
+        state = self._flush_and_save(state, sync=True)
+        self._loop.finished(self._step)
+        return state, data
+
+    def steps(self, num_steps: int) -> Iterator[int]:
+        """Yields ``current_step`` until it is ``num_steps`` (a target, as in :meth:`run`), so a
+        loop re-runs what a rollback took back (``range(N)`` would end short); each iteration
+        calls :meth:`step` once (docs/guides/trainer_guards.md)."""
+        if self._step is None:
+            raise RuntimeError("call restore_or_init(state, data) before steps()")
+        return loop.count_to(self, self._loop.declare(num_steps))
 
     def run(
         self,
@@ -365,9 +370,10 @@ class RollbackController:
         ``metrics_writer(step, metrics)`` gets every ``log_every``-th step's scalars one step
         late (:mod:`stabljax.control.events`), so the device never waits for them.
         """
+        target = self._loop.declare(num_steps, by_run=True)
         if self._closed or self._step is None or self._data is None:
             state, data = self.restore_or_init(state, data)
-        data, target = self._resolve(data), int(num_steps)
+        data = self._resolve(data)
         self._train_step = train_step  # what triage replays
         bar = Progress(target, self._step, enabled=progress)
         try:
@@ -387,6 +393,7 @@ class RollbackController:
         if self._closed:
             return
         self._closed = True
+        self._loop.closing("closed", self._step, self._store.saved_at)
         try:
             self._store.settle()
             self._store.retain()
@@ -407,7 +414,13 @@ class RollbackController:
         return self
 
     def __exit__(self, exc_type, *exc) -> None:
+        if exc_type is not None:
+            self._loop.forget()  # the exception says it, not a second warning
         self.close(quiet=exc_type is not None)
+
+    def __del__(self) -> None:
+        if hasattr(self, "_loop") and not self._closed:
+            self._loop.closing("garbage-collected", self._step, self._store.saved_at)
 
     def __repr__(self) -> str:
         args = f"save_every={self.save_every}, keep={self.keep}, step={self._step}"
@@ -441,7 +454,9 @@ class RollbackController:
             losses = self._monitor.losses_before(verdict.detections[0].step)
             resume.give_up(verdict.detections, verdict.headline, losses, self._ledger, self._store)
         fed_end = self._data.next_index + 1 if early else self._data.index
-        return self._rollback(verdict.detections, fed_end)
+        before, restored = self._step, self._rollback(verdict.detections, fed_end)
+        self._loop.after_rollback(before, self._step)
+        return restored
 
     def _flush_and_save(self, state: Any, *, sync: bool = False, off_grid: bool = False) -> Any:
         """Reads the pending metrics, then saves unless they rolled back.
@@ -507,11 +522,11 @@ class RollbackController:
         checkpoint = policy.Target(target, int(meta["data_index"]), margin_met)
         kw = dict(active_onsets=onsets, losses=losses, triage=report)
         plan = policy.plan_rollback(triggers, self._ledger, checkpoint, fed_end, cfg, **kw)
-        plan = self._screen_hook(state, plan, losses)
+        plan = self._screen_hook(state, plan, losses, meta["ema"])
         state, plan = self._remedy_hook(state, plan, triggers)
         store.write_record(plan.record(time.time()))
         store.delete_newer_than(target)  # only now: a crash before this is finished on restart
-        self._log_rollback(plan, losses, report)
+        self._log_rollback(plan, losses, report, fed_end)
         # The checkpoint's trajectory (detectors, EMA) comes back; the run ledger moves on,
         # and the losses of the abandoned branch leave the history shown in events.
         monitor.load(meta)
@@ -526,47 +541,35 @@ class RollbackController:
         (:func:`~stabljax.control.diagnose.triage.for_rollback`) and returns its report."""
         if self.triage is None:
             return None
-        return for_rollback(
-            self.triage,
-            step_fn=self._train_step,
-            data=self._data,
-            store=self._store,
-            abstract=self._abstract,
-            verify=self.verify,
-            history=list(self._monitor.recent),
-            target=target,
-            state=state,
-            meta=meta,
-            onset=onset,
-            ranges=self._ledger.ranges,
-        )
+        kw = dict(step_fn=self._train_step, data=self._data, store=self._store, verify=self.verify)
+        kw |= dict(abstract=self._abstract, history=list(self._monitor.recent), meta=meta)
+        kw |= dict(target=target, state=state, onset=onset, ranges=self._ledger.ranges)
+        return for_rollback(self.triage, **kw)
 
-    def _screen_hook(self, state: Any, plan: policy.RollbackPlan, losses: Any) -> Any:
-        """With ``screen_ahead``, extends the skip over the anomalous batches past it."""
+    def _screen_hook(self, state: Any, plan: policy.RollbackPlan, losses: Any, ema: Any) -> Any:
+        """With ``screen_ahead``, extends the skip over the anomalous batches past it
+        (``ema``: the restored checkpoint's loss EMA, the level for data read ahead)."""
         step_fn = self.screen_step or self._train_step
         if not self.screen_ahead or plan.narrowed or step_fn is None:
             return plan
         rule = self.triage or TriageConfig()
-        return extend_over_window(plan, step_fn, state, self._data, losses, rule, self.screen_ahead)
+        level = float(ema[0]) / (1 - EMA_DECAY ** int(ema[1])) if int(ema[1]) else None
+        args = (plan, step_fn, state, self._data, losses, rule, self.screen_ahead, level)
+        return extend_over_window(*args)
 
     def _remedy_hook(self, state: Any, plan: policy.RollbackPlan, triggers: Sequence[Detection]):
         """With ``remedy``, changes the restored state and records it in the plan's entry
         (so the crash record carries it and a restart applies it again)."""
         if self.remedy is None:
             return state, plan
-        info = RollbackInfo(
-            step=plan.target,
-            onset=plan.onset,
-            rollbacks=plan.ledger.rollbacks,
-            skip=(plan.skip.start, plan.skip.end),
-            verdict=plan.entry.get("verdict"),
-            kinds=tuple(d.kind for d in triggers),
-            detected=plan.detected,
-        )
+        skip, kinds = (plan.skip.start, plan.skip.end), tuple(d.kind for d in triggers)
+        kw = dict(verdict=plan.entry.get("verdict"), kinds=kinds, detected=plan.detected)
+        info = RollbackInfo(plan.target, plan.onset, plan.ledger.rollbacks, skip, **kw)
         state = self.remedy(state, info)
         return state, plan.with_remedy(describe(self.remedy, info), info.to_json())
 
-    def _log_rollback(self, plan: policy.RollbackPlan, losses: Any, report: Any) -> None:
+    def _log_rollback(self, plan: policy.RollbackPlan, losses: Any, report: Any, fed: int) -> None:
+        """Logs the events (``self._step`` is still the step rolled back from)."""
         entry, skip, at = plan.entry, plan.skip, plan.detected
         self._log(
             "rollback",
@@ -577,8 +580,10 @@ class RollbackController:
             reason=entry["reason"],
             losses=losses,
             rollbacks=plan.ledger.rollbacks,
+            steps_back=self._step - plan.target,
+            target_steps=self._loop.target,
         )
-        screened = {k: entry[k] for k in SCREENED if k in entry}
+        screened = {k: entry[k] for k in SCREENED if k in entry} | {"fed_end": fed}
         self._log(
             "skip", at, range=entry["range"], length=skip.length, doubled=skip.doubled, **screened
         )

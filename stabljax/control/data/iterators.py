@@ -1,10 +1,9 @@
 """Data iterators with a position, O(1) skipping and a JSON-able state.
 
-The rollback controller needs four things from the data: the index of the next batch
-(``index``), a way to move forward past bad batches (``skip``, ``seek``), a way back to
-a restored checkpoint's position for a narrowed skip (``rewind``, where ``can_rewind``),
-and a state to checkpoint with the model. :class:`DataIterator` is that interface; its subclasses
-adapt what people train on:
+The rollback controller needs from the data the index of the next batch (``index``), a way
+forward past bad batches (``skip``, ``seek``) or ahead (``peek``), a way back to a restored
+checkpoint's position (``rewind``, where ``can_rewind``), and a state to checkpoint with the
+model. :class:`DataIterator` is that interface; its subclasses adapt what people train on:
 
 * :class:`IndexedBatches` — ``batch_fn(i)`` for i = 0, 1, …; skipping is free.
 * :class:`GrainDatasetIterator` — a Grain ``MapDataset`` (or batched ``IterDataset``)
@@ -28,7 +27,14 @@ from typing import Any
 
 import grain
 
-from stabljax.control.data.grain_state import GrainState, loader_operations, parse_grain_state
+from stabljax.control.data.grain_state import (
+    GrainState,
+    advance_loader_state,
+    loader_batches_read,
+    loader_operations,
+    loader_warnings,
+    parse_grain_state,
+)
 from stabljax.control.decide.policy import first_allowed, merge_ranges
 from stabljax.control.errors import warn as warn_user
 
@@ -54,6 +60,7 @@ class DataIterator(Iterator[Any]):
             raise ValueError(f"start must be >= 0, got {start}")
         self._index = int(start)
         self._ranges: list[tuple[int, int]] = []
+        self._held: Any = None  # (index, batch): read by peek, not yet yielded
 
     @property
     def index(self) -> int:
@@ -83,9 +90,38 @@ class DataIterator(Iterator[Any]):
         n = int(n)
         if n < 0:
             raise ValueError(f"can only skip forward, got n={n}")
+        n -= self._drop_held() if n else 0  # the source is past a held batch already
         if n:
             self._advance(n)
             self._index += n
+
+    def peek(self) -> Any:
+        """The batch :meth:`next` yields next, read now and held until then: any iterator can
+        so be read ahead (``screen_ahead``). The position does not move; the source is one
+        batch ahead until ``next``, so :meth:`get_state` refuses.
+
+        Example:
+          >>> from stabljax.control.data.iterators import IndexedBatches
+          >>> it = IndexedBatches(lambda i: i * 10)
+          >>> it.peek(), it.index, next(it), next(it), it.index
+          (0, 0, 0, 10, 2)
+        """
+        if self._held is None:
+            if self._ranges:
+                self.seek(self.next_index)
+            self._held = (self._index, self._fetch())
+        return self._held[1]
+
+    def _drop_held(self) -> int:
+        """Forgets a held batch (the source is past it): the position moves over it."""
+        if self._held is None:
+            return 0
+        self._held, self._index = None, self._index + 1
+        return 1
+
+    def _check_not_held(self) -> None:
+        if self._held is not None:
+            raise RuntimeError(f"batch {self._held[0]} was read ahead (peek): call next() first")
 
     def seek(self, index: int) -> None:
         """Moves forward to ``index`` (``>= self.index``); :meth:`rewind` goes back."""
@@ -106,8 +142,9 @@ class DataIterator(Iterator[Any]):
         index = int(index)
         if index > self._index:
             raise ValueError(f"rewind moves back, got {index} > index {self._index}")
-        if index == self._index:
+        if index == self._index and self._held is None:
             return
+        self._drop_held()  # the source is one batch past the position
         if not self.can_rewind or index < 0:
             raise ValueError(
                 f"{type(self).__name__} cannot move back from batch {self._index} to {index}: "
@@ -125,16 +162,21 @@ class DataIterator(Iterator[Any]):
     def __next__(self) -> Any:
         if self._ranges:
             self.seek(self.next_index)
-        batch = self._fetch()
+        if self._held is not None:
+            (_, batch), self._held = self._held, None
+        else:
+            batch = self._fetch()
         self._index += 1
         return batch
 
     def get_state(self) -> dict[str, Any]:
         """A JSON-able state: ``{"index": ...}`` plus what the source needs."""
+        self._check_not_held()
         return {"index": self._index}
 
     def set_state(self, state: dict[str, Any]) -> None:
         """Restores :meth:`get_state`'s output."""
+        self._drop_held()  # the source is one batch past the position
         self._set_index(int(state["index"]))
 
     def restore(
@@ -365,6 +407,7 @@ class GrainDatasetIterator(DataIterator):
 
     def get_state(self) -> GrainState:
         """Grain's own state plus ``index``, the position (see :class:`GrainState`)."""
+        self._check_not_held()
         return GrainState(self.source.get_state(), index=self._index)
 
     def set_state(self, state: Any) -> None:
@@ -372,7 +415,7 @@ class GrainDatasetIterator(DataIterator):
 
         The position is ``index`` when present, else Grain's next index.
         """
-        state = parse_grain_state(state)
+        state, self._held = parse_grain_state(state), None
         if "grain" in state and "index" in state:  # {"index", "grain"}: the store's form
             state = {**state["grain"], "index": state["index"]}
         index = state.pop("index", None)
@@ -409,14 +452,12 @@ class GrainLoaderIterator(DataIterator):
 
     Grain records a DataLoader's position as the last record index each worker has
     seen (``last_seen_indices``, global across shards) and the worker that produced the
-    last batch. When the loader's operations are 1:1 transforms and one ``Batch`` of
-    size :math:`B` (no ``Filter`` or ``FlatMap``), skipping :math:`n` batches with
-    :math:`W` workers (1 when ``worker_count`` is 0) and :math:`S` shards is exact
-    state arithmetic: batches go round-robin over the workers, so worker :math:`w`
-    gets :math:`\\lfloor n/W \\rfloor` batches, plus one if it is among the next
-    :math:`n \\bmod W` in the cycle, and its last seen index moves by :math:`B W S`
-    per batch. Otherwise the iterator is drained, with a warning. The position
-    (``index``) counts batches yielded; Grain saves its own state per process.
+    last batch. When the loader's operations are 1:1 transforms and one ``Batch`` (no
+    ``Filter`` or packing), skipping is exact state arithmetic
+    (:func:`~stabljax.control.data.grain_state.advance_loader_state`); otherwise the
+    iterator is drained, with a warning, and a packing operation warns that a resume is
+    not bit-exact. The position (``index``) counts batches yielded; Grain saves its own
+    state per process.
 
     Args:
       iterator: a ``grain.DataLoaderIterator``.
@@ -462,13 +503,9 @@ class GrainLoaderIterator(DataIterator):
         shard = getattr(loader, "_shard_options", None)
         self._shards = int(getattr(shard, "shard_count", 1) or 1)
         self._shard_index = int(getattr(shard, "shard_index", 0) or 0)
-        if self._batch is None:
-            warn_user(
-                f"this grain.DataLoader's operations {', '.join(self._draining)} change the "
-                "number of records: skipping will drain it.",
-                stacklevel=stacklevel + 1,
-            )
-        elif start is None:  # an iterator restored or advanced before it was wrapped
+        for message in loader_warnings(loader, self._draining):
+            warn_user(message, stacklevel=stacklevel + 1)
+        if self._batch is not None and start is None:  # restored or advanced before wrapped
             self._index = self._batches_consumed()
 
     @property
@@ -483,13 +520,7 @@ class GrainLoaderIterator(DataIterator):
             for _ in range(n):
                 next(self.source)
             return
-        st = json.loads(self.source.get_state().decode())
-        workers = max(int(st["worker_count"]), 1)
-        cycle = (int(st["last_worker_index"]) + 1) % workers
-        for w in range(workers):
-            k = n // workers + (1 if (w - cycle) % workers < n % workers else 0)
-            st["last_seen_indices"][str(w)] += k * self._batch * workers * self._shards
-        st["last_worker_index"] = (cycle + n) % workers - 1
+        st = advance_loader_state(json.loads(self.source.get_state()), n, self._batch, self._shards)
         self.source.set_state(json.dumps(st, indent=4).encode())
 
     @property
@@ -503,6 +534,7 @@ class GrainLoaderIterator(DataIterator):
 
     def get_state(self) -> GrainState:
         """Grain's own state plus ``index``, the position (see :class:`GrainState`)."""
+        self._check_not_held()
         return GrainState(json.loads(self.source.get_state()), index=self._index)
 
     def set_state(self, state: Any) -> None:
@@ -511,7 +543,7 @@ class GrainLoaderIterator(DataIterator):
         The position is ``index`` when present, else derived from Grain's state
         (exact for 1:1 operations and one ``Batch``).
         """
-        state = parse_grain_state(state)
+        state, self._held = parse_grain_state(state), None
         if "grain" in state and "index" in state:  # {"index", "grain"}: the store's form
             state = {**json.loads(state["grain"]), "index": state["index"]}
         index = state.pop("index", None)
@@ -528,23 +560,11 @@ class GrainLoaderIterator(DataIterator):
         self._index = int(index)
 
     def _batches_consumed(self) -> int | None:
-        """Batches this process has read, from Grain's state (1:1 operations and one Batch).
-
-        Grain stores, per worker ``w`` of ``W`` and shard ``s`` of ``S``, the last record
-        index seen, ``s - W S + w S + n_w W S`` where ``n_w`` is the records worker ``w``
-        has read; the batches read are ``sum(n_w) / B``.
-        """
+        """Batches this process has read, from Grain's state (1:1 operations and one Batch)."""
         if self._batch is None:
             return None
         st = json.loads(self.source.get_state())
-        workers = max(int(st["worker_count"]), 1)
-        seen = st["last_seen_indices"]
-        g = workers * self._shards
-        records = sum(
-            (int(seen[str(w)]) - self._shard_index + g - w * self._shards) // g
-            for w in range(workers)
-        )
-        return records // self._batch
+        return loader_batches_read(st, self._batch, self._shards, self._shard_index)
 
     def start_prefetch(self) -> None:
         """Grain's ``start_prefetch`` (its Orbax handler calls it after a restore)."""

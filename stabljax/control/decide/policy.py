@@ -76,17 +76,18 @@ def check_config(
         raise ValueError(
             f"background_save=True needs a single process, got {processes}: Orbax "
             "synchronises hosts with device collectives, which a background thread would "
-            "issue in an order unrelated to the train step's own"
+            "issue in an order unrelated to the train step's own: set background_save=False"
         )
     if rollback_margin and rollback_margin >= keep * save_every:
-        need_keep = rollback_margin // save_every + 1
+        # keep checkpoints span less than keep * save_every steps: raising keep or save_every
+        # lengthens the span (lowering save_every would shorten it), or the margin comes down.
         raise ValueError(
             f"rollback_margin={rollback_margin} is more than save_every={save_every} x "
             f"keep={keep} checkpoints can hold (the oldest kept one is at most "
-            f"{(keep - 1) * save_every + save_every - 1} steps old), so every rollback would "
-            f"fall back to the oldest checkpoint: raise keep to >= {need_keep}, lower "
-            f"save_every to <= {max(rollback_margin // keep, 1) if keep > 1 else 1}, or lower "
-            f"rollback_margin below {keep * save_every}"
+            f"{keep * save_every - 1} steps old), so every rollback would fall back to the "
+            f"oldest checkpoint: raise keep to >= {rollback_margin // save_every + 1}, raise "
+            f"save_every to >= {rollback_margin // keep + 1}, or lower rollback_margin to "
+            f"<= {keep * save_every - 1}"
         )
 
 

@@ -9,9 +9,13 @@ run's own state, optimizer state and data position are untouched) and the skip i
 extended while their loss stays anomalous, up to ``max_skip`` batches. One rollback then
 passes one bad window, and the skip event records the screened range and its losses.
 
-Only iterators that can fetch a batch by index (``batch_fn``, as
+Iterators that can fetch a batch by index (``batch_fn``, as
 :class:`~stabljax.control.data.iterators.IndexedBatches`) or move back (``can_rewind``: seekable
-Grain iterators) can be screened; for the others the skip stays the blind one.
+Grain iterators) are screened in place and put back. The others (a plain iterator, a packed
+or filtered Grain pipeline) are read ahead instead (``peek``): the anomalous batches are
+consumed, as the skip would drain them anyway, and the first healthy one is held for the
+next step; their reference is the restored checkpoint's smoothed loss, since the batches
+before the onset cannot be read again.
 
 Example:
   >>> import jax.numpy as jnp
@@ -39,7 +43,13 @@ from stabljax.control.decide.policy import first_allowed
 from stabljax.control.diagnose.triage import is_spike
 from stabljax.metrics import LOSS
 
-SCREENED = ("screened", "screened_indices", "screened_losses", "screen_capped")  # event keys
+SCREENED = (  # the skip event's keys
+    "screened",
+    "screened_indices",
+    "screened_losses",
+    "screen_capped",
+    "screen_read_ahead",
+)
 REFERENCE = 8  # healthy batches screened for the restored state's own loss level
 
 
@@ -54,6 +64,7 @@ class Screened:
       indices: the data indices screened, in order (skipped ranges passed over).
       losses: their losses under the restored state.
       capped: the run reached ``max_skip`` batches and may go on.
+      read_ahead: the data was read ahead (it cannot move back): it is at ``end`` now.
     """
 
     start: int
@@ -61,6 +72,7 @@ class Screened:
     indices: tuple[int, ...]
     losses: tuple[float, ...]
     capped: bool = False
+    read_ahead: bool = False
 
     def as_details(self) -> dict[str, Any]:
         """JSON-able, for the skip event."""
@@ -69,12 +81,19 @@ class Screened:
             "screened_indices": list(self.indices),
             "screened_losses": [v if math.isfinite(v) else str(v) for v in self.losses],
             "screen_capped": self.capped,
+            "screen_read_ahead": self.read_ahead,
         }
 
 
 def can_screen(data: Any) -> bool:
     """Whether :func:`screen_ahead` can look ahead in ``data`` without losing a batch."""
     return callable(getattr(data, "batch_fn", None)) or bool(getattr(data, "can_rewind", False))
+
+
+def can_read_ahead(data: Any) -> bool:
+    """Whether :func:`screen_ahead` can read ``data`` ahead (``peek``), when it cannot
+    screen it in place (:func:`can_screen`)."""
+    return callable(getattr(data, "peek", None))
 
 
 def screen_ahead(
@@ -93,7 +112,8 @@ def screen_ahead(
       step_fn: the train step; it may donate its state (it gets a fresh copy each call).
       state: the restored state (not modified).
       data: a :class:`~stabljax.control.data.iterators.DataIterator` at the restored position; it is
-        back there on return.
+        back there on return, or, read ahead (it cannot move back), at ``end`` with the
+        first healthy batch held for :func:`next`.
       is_anomalous: ``loss -> bool``, the detector's verdict on a screened loss (a
         non-finite loss is always anomalous).
       max_skip: at most this many anomalous batches are screened.
@@ -106,19 +126,23 @@ def screen_ahead(
       A :class:`Screened`; ``end`` is where training should resume.
 
     Raises:
-      ValueError: ``max_skip < 1``, or ``data`` cannot be screened (:func:`can_screen`).
+      ValueError: ``max_skip < 1``; ``data`` can be neither screened (:func:`can_screen`)
+        nor read ahead (:func:`can_read_ahead`); or reading ahead would start behind it.
     """
     if isinstance(max_skip, bool) or int(max_skip) != max_skip or max_skip < 1:
         raise ValueError(f"max_skip must be an int >= 1, got {max_skip!r}")
-    if not can_screen(data):
+    ahead = not can_screen(data)
+    if ahead and not can_read_ahead(data):
         raise ValueError(
-            f"{type(data).__name__} can neither fetch a batch by index nor move back: "
-            "it cannot be screened"
+            f"{type(data).__name__} can neither fetch a batch by index, move back nor be "
+            "read ahead (peek): it cannot be screened"
         )
     batch_fn = getattr(data, "batch_fn", None)
     ranges = data.skipped_ranges
     home = data.index
     start = home if start is None else int(start)
+    if ahead and start < home:
+        raise ValueError(f"reading ahead cannot start at {start}, behind the position {home}")
     indices: list[int] = []
     losses: list[float] = []
     end, capped, i = first_allowed(start, ranges), False, start
@@ -129,8 +153,8 @@ def screen_ahead(
             i = first_allowed(i, ranges)
             if callable(batch_fn):
                 batch = batch_fn(i)
-            else:
-                batch = next(data)  # honours the skipped ranges, as i does
+            else:  # honours the skipped ranges, as i does; read ahead: held until next()
+                batch = data.peek() if ahead else next(data)
             _, metrics = step_fn(device_snapshot(state), batch)
             loss = float(to_host(metrics[LOSS]))
             indices.append(i)
@@ -138,6 +162,8 @@ def screen_ahead(
             if agree(math.isfinite(loss) and not is_anomalous(loss)):
                 break
             end = i + 1
+            if ahead:
+                next(data)  # the held batch: anomalous, so skipped
             if len(indices) >= max_skip:
                 capped = True
                 break
@@ -145,9 +171,9 @@ def screen_ahead(
     except (StopIteration, IndexError):  # the data ended inside the window
         pass
     finally:
-        if not callable(batch_fn):
+        if not callable(batch_fn) and not ahead:
             _move(data, home)
-    return Screened(start, end, tuple(indices), tuple(losses), capped)
+    return Screened(start, end, tuple(indices), tuple(losses), capped, ahead)
 
 
 def losses_at(step_fn: Any, state: Any, data: Any, indices: list[int]) -> list[float]:
@@ -179,15 +205,37 @@ def _move(data: Any, index: int) -> None:
 
 
 def extend_over_window(
-    plan: Any, step_fn: Any, state: Any, data: Any, losses: Any, rule: Any, max_skip: int
+    plan: Any,
+    step_fn: Any,
+    state: Any,
+    data: Any,
+    losses: Any,
+    rule: Any,
+    max_skip: int,
+    level: float | None = None,
 ) -> Any:
     """The controller's use of :func:`screen_ahead`: ``plan`` (a
     :class:`~stabljax.control.decide.policy.RollbackPlan`) extended over the batches past its
-    skip whose loss is a spike (triage's rule ``rule``) against the finite, unskipped
-    ``losses`` (``[step, loss, skipped]``) before the onset; unchanged for data that
-    cannot be screened. On several processes every process screens in lockstep."""
+    skip whose loss is a spike (triage's rule ``rule``) against the restored state's own
+    losses on the batches before the onset (else the finite, unskipped ``losses``,
+    ``[step, loss, skipped]``, before it). Data that cannot be screened in place is read
+    ahead against ``level``, the restored checkpoint's smoothed loss (unchanged without
+    one: an untrained state has no level to compare with). On several processes every
+    process screens in lockstep."""
+    agree = all_agree if jax.process_count() > 1 else bool
     if not can_screen(data):
-        return plan
+        if level is None or not can_read_ahead(data) or plan.resume_at < data.index:
+            return plan
+        found = screen_ahead(
+            step_fn,
+            state,
+            data,
+            is_anomalous=lambda loss: is_spike(loss, [level], rule),
+            max_skip=max_skip,
+            start=plan.resume_at,
+            agree=agree,
+        )
+        return plan.extended_to(found.end, found.as_details())
     # The reference is the restored state's own loss on the healthy batches it was about to
     # train on (those fed before the onset): the run's losses before the onset come from a
     # later state, and a state far back (an untrained one) finds every batch "anomalous".
@@ -207,6 +255,6 @@ def extend_over_window(
         is_anomalous=lambda loss: is_spike(loss, reference, rule),
         max_skip=max_skip,
         start=plan.resume_at,
-        agree=all_agree if jax.process_count() > 1 else bool,
+        agree=agree,
     )
     return plan.extended_to(found.end, found.as_details())
