@@ -288,7 +288,7 @@ def arm_in(comparison: str, arm: str) -> bool:
 
 
 def claims(results: pathlib.Path = RESULTS) -> str:
-    """The experiments page's claims (docs/experiments.md), one line per experiment, from the results.json files.
+    """The claims of docs/experiments.md, one line per experiment, from the results.json files.
 
     Each line names the size, the seeds and where the failure comes from, then: the
     comparisons met at <= 10x the base's best LR (effect, interval, Holm p, LR multiple);
