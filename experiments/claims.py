@@ -1,4 +1,4 @@
-"""The claims the READMEs make, derived from every results.json (issue 39's rules).
+"""The experiment claims the docs make, derived from every results.json.
 
 A comparison is a **stress test**, never counted as met, when it lies more than
 ``STRESS_MULTIPLE`` (10) times above its base arm's best LR, or when its failure was set by
@@ -6,8 +6,8 @@ hand. Every claim names its LR multiple and size. Beside the matched-LR claims, 
 experiment reports every arm's best loss at its own best LR (:func:`best_block`, from the
 per-LR, per-seed rows already stored), and from the two the verdict a practitioner wants:
 does a remedy lower the best reachable loss, or only widen the stable LR range.
-:mod:`experiments.summary_table` writes the result into both READMEs;
-``tests/test_claims.py`` checks the READMEs' sentences against the files.
+:mod:`experiments.summary_table` writes the result into experiments/README.md and
+docs/experiments.md; ``tests/test_claims.py`` checks their sentences against the files.
 """
 
 from __future__ import annotations
@@ -288,7 +288,7 @@ def arm_in(comparison: str, arm: str) -> bool:
 
 
 def claims(results: pathlib.Path = RESULTS) -> str:
-    """The top-level README's claims, one line per experiment, from the results.json files.
+    """The claims of docs/experiments.md, one line per experiment, from the results.json files.
 
     Each line names the size, the seeds and where the failure comes from, then: the
     comparisons met at <= 10x the base's best LR (effect, interval, Holm p, LR multiple);

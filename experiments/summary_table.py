@@ -1,11 +1,11 @@
-"""Regenerates the table at the top of experiments/README.md and the experiment claims in
-the top-level README.md from every results.json.
+"""Regenerates the table at the top of experiments/README.md and the experiment claims on
+the documentation's experiments page (docs/experiments.md) from every results.json.
 
     python -m experiments.summary_table [--check] [--rederive] [--replot]
 
 One row per remedy of every experiment's ``summary``, and one claims line per experiment
 (:mod:`experiments.claims`: LR multiples, stress tests, best loss per arm); ``--check``
-exits 1 when either README block differs from what the results give (a test runs it);
+exits 1 when a generated block differs from what the results give (a test runs it);
 ``--rederive`` first writes each summary's ``best_per_arm`` into its results.json from
 the rows stored there (no training run).
 """
@@ -32,7 +32,8 @@ from experiments.claims import (
 from experiments.common import RESULTS
 
 README = pathlib.Path(__file__).resolve().parent / "README.md"
-TOP_README = pathlib.Path(__file__).resolve().parent.parent / "README.md"
+#: The page that carries the experiment claims (the generated ``CLAIMS`` block).
+CLAIMS_PAGE = pathlib.Path(__file__).resolve().parent.parent / "docs" / "experiments.md"
 START, END = "<!-- summary-table:start -->", "<!-- summary-table:end -->"
 CLAIMS = ("<!-- experiment-claims:start -->", "<!-- experiment-claims:end -->")
 BEST = ("<!-- best-loss:start -->", "<!-- best-loss:end -->")
@@ -127,7 +128,7 @@ def render(readme: str, body: str, markers: tuple[str, str] = (START, END)) -> s
     """``readme`` with the text between the markers replaced by ``body``."""
     start, end = markers
     if start not in readme or end not in readme:
-        raise ValueError(f"README has no {start} ... {end} block")
+        raise ValueError(f"the page has no {start} ... {end} block")
     head, rest = readme.split(start, 1)
     _, tail = rest.split(end, 1)
     return f"{head}{start}\n{body}{end}{tail}"
@@ -161,7 +162,7 @@ def main(argv=None) -> int:
     targets = [
         (README, table(), (START, END)),
         (README, best_table(), BEST),
-        (TOP_README, claims(), CLAIMS),
+        (CLAIMS_PAGE, claims(), CLAIMS),
     ]
     stale = []
     for path, body, markers in targets:

@@ -1,10 +1,11 @@
 """Adopting stabljax inside someone else's trainer (examples/trainer_before.py, trainer_after.py).
 
-README's adoption recipe is the diff between the two trainers: checked here line for line,
-with at most 15 changed lines. The adopted trainer keeps its own ``optax.MultiSteps``, its
-own Grain ``DataLoader`` and its own Orbax ``CheckpointManager`` (which saves the
-controller's Grain wrapper and restores it on a restart), and is run on bad data: one NaN
-micro-batch and a 20-batch window of random bytes (about 2x the loss).
+The adoption guide's recipe (docs/guides/adopting.md) is the diff between the two trainers:
+checked here line for line, with at most 15 changed lines. The adopted trainer keeps its
+own ``optax.MultiSteps``, its own Grain ``DataLoader`` and its own Orbax
+``CheckpointManager`` (which saves the controller's Grain wrapper and restores it on a
+restart), and is run on bad data: one NaN micro-batch and a 20-batch window of random
+bytes (about 2x the loss).
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from examples import trainer_handover as adopt_handover
 from stabljax.control import read_events
 from stabljax.reference import default_corpus
 
-README = pathlib.Path(__file__).parents[1] / "README.md"
+GUIDE = pathlib.Path(__file__).parents[1] / "docs" / "guides" / "adopting.md"
 HERE = pathlib.Path(__file__).parents[1] / "examples"
 NAN_BATCH = 61  # the second micro-batch of optimizer update 30
 GARBAGE = range(250, 270)  # 20 batches of uniform random bytes, after the step-100 checkpoint
@@ -54,9 +55,9 @@ def make_docs(cfg, n_batches, *, nan_batch=None, garbage=()):
 
 
 def readme_diff(name: str = "adoption") -> str:
-    text = README.read_text()
+    text = GUIDE.read_text()
     m = re.search(rf"<!-- recipe: {name} -->\n```diff\n(.*?)```", text, re.S)
-    assert m, f"README.md has no '<!-- recipe: {name} -->' diff block"
+    assert m, f"docs/guides/adopting.md has no '<!-- recipe: {name} -->' diff block"
     return m.group(1)
 
 

@@ -1,4 +1,5 @@
-"""README's claims against results.json (issue 39): no sentence claims more than its file shows.
+"""The experiment claims (docs/experiments.md) against results.json: no sentence claims more
+than its file shows.
 
 Checked independently of :mod:`experiments.claims` where it matters: the LR multiple of a
 claim from each experiment's own ``lr_grid`` record, the best loss per arm from the stored
@@ -50,8 +51,8 @@ def load(name):
 
 
 def readme_lines():
-    m = BLOCK.search((ROOT / "README.md").read_text())
-    assert m, "README.md has no experiment-claims block"
+    m = BLOCK.search(summary_table.CLAIMS_PAGE.read_text())
+    assert m, "docs/experiments.md has no experiment-claims block"
     out = {}
     for line in m.group(1).strip().splitlines():
         name = re.match(r"- \*\*(\w+)\*\*", line)
@@ -99,7 +100,7 @@ def fmt(x):
 
 
 def test_the_block_is_generated_from_the_files():
-    text = summary_table.TOP_README.read_text()
+    text = summary_table.CLAIMS_PAGE.read_text()
     assert summary_table.render(text, claims.claims(), summary_table.CLAIMS) == text
 
 
@@ -128,7 +129,7 @@ def test_every_met_claim_is_met_in_its_file_at_most_10x_the_best_lr_and_names_it
 
 
 def test_stress_tests_are_labelled_and_nothing_met_is_left_out():
-    """Each claim met in a file is in README's block: under "Met at <= 10x" when at most 10x
+    """Each claim met in a file is in the claims block: under "Met at <= 10x" when at most 10x
     the best LR and made by the model, under "Stress tests (not counted)" otherwise."""
     lines = readme_lines()
     n_stress = 0
@@ -281,5 +282,5 @@ def test_experiments_readme_hand_tables_agree_with_the_files():
     ],
 )
 def test_the_overclaims_the_review_found_are_gone(phrase):
-    for path in (ROOT / "README.md", summary_table.README):
+    for path in (ROOT / "README.md", summary_table.CLAIMS_PAGE, summary_table.README):
         assert phrase not in path.read_text(), (path.name, phrase)

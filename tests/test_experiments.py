@@ -114,7 +114,7 @@ def test_readme_table_matches_results():
     assert summary_table.render(text, summary_table.table()) == text, (
         "run python -m experiments.summary_table"
     )
-    top = summary_table.TOP_README.read_text()
+    top = summary_table.CLAIMS_PAGE.read_text()
     assert summary_table.render(top, summary_table.claims(), summary_table.CLAIMS) == top, (
         "run python -m experiments.summary_table"
     )
