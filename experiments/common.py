@@ -47,6 +47,39 @@ def environment() -> dict[str, Any]:
     }
 
 
+#: The library code a result depends on: results are stale when these change after the
+#: commit they ran on (``tests/test_experiments.py`` checks every committed results.json).
+LIBRARY_PATHS = ("stabljax/control", "stabljax/optim")
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+
+def git(*args: str) -> str | None:
+    """``git args`` in the repository root: its stdout stripped, or None (no git, no repo,
+    or git failed)."""
+    import subprocess
+
+    try:
+        out = subprocess.run(
+            ["git", *args], cwd=ROOT, capture_output=True, text=True, check=True, timeout=30
+        )
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return out.stdout.strip()
+
+
+def library_commit() -> dict[str, Any]:
+    """The commit the library code ran at: ``{"commit": sha or None, "dirty": [...]}``, the
+    files under :data:`LIBRARY_PATHS` that differed from that commit when the run started
+    (uncommitted edits: the commit alone does not say what ran)."""
+    sha = git("rev-parse", "HEAD")
+    dirty = git("status", "--porcelain", "--", *LIBRARY_PATHS) if sha else None
+    return {
+        "commit": sha,
+        "paths": list(LIBRARY_PATHS),
+        "dirty": [line[3:] for line in (dirty or "").splitlines()],
+    }
+
+
 def jsonable(x: Any) -> Any:
     """``x`` as JSON-ready builtins; non-finite floats as the strings ``nan``/``inf``."""
     if dataclasses.is_dataclass(x) and not isinstance(x, type):
@@ -95,8 +128,8 @@ def write_results(
     command: str | None = None,
     wall_s: float | None = None,
 ) -> pathlib.Path:
-    """Writes ``<stem>.json`` (command, wall time, config, environment, summary, every
-    number) and ``<stem>.md``.
+    """Writes ``<stem>.json`` (command, wall time, config, environment, the library commit
+    (:func:`library_commit`), summary, every number) and ``<stem>.md``.
 
     Files are written to a temporary name and renamed, so a reader never sees half a file.
     In a multi-process run only process 0 writes (every process holds the same numbers).
@@ -108,6 +141,7 @@ def write_results(
     payload = {
         "config": jsonable(config),
         "environment": environment(),
+        "library": library_commit(),
         "results": jsonable(results),
     }
     if summary is not None:

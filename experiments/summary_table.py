@@ -30,6 +30,7 @@ from experiments.claims import (
     where_text,
 )
 from experiments.common import RESULTS
+from experiments.holm_family import one_family
 
 README = pathlib.Path(__file__).resolve().parent / "README.md"
 #: The page that carries the experiment claims (the generated ``CLAIMS`` block).
@@ -69,6 +70,7 @@ def table(results: pathlib.Path = RESULTS) -> str:
             lines.append(f"| {name} | (no summary) | | | | | | | | | | |")
             continue
         best = best_block(name, stored[name]) or s.get("best_per_arm")
+        one_family(s, best)
         made = s.get("failure_made_by_model")
         head = (
             f"| {name} | {_yes(made)} "
@@ -97,13 +99,14 @@ def best_table(results: pathlib.Path = RESULTS) -> str:
     verdict: lowers the best loss, or only widens the stable LR range, or neither."""
     lines = [
         "| experiment | arm | best LR | best loss (mean [95% t-CI]) | remedy − base at each "
-        "one's best LR [95% paired t-CI] | p (Holm over these) | verdict |",
+        "one's best LR [95% paired t-CI] | p (Holm, one family with the claims) | verdict |",
         "|---|---|---|---|---|---|---|",
     ]
     for name, payload in payloads(results):
         best = best_block(name, payload)
         if not best:
             continue
+        one_family(payload["summary"], best)
         verdict = verdicts(name, payload["summary"], best)
         for group, arms in best.items():
             for arm, e in arms.items():

@@ -324,3 +324,103 @@ def test_committed_results_follow_issue_29():
         elif s["failure_made_by_model"]:
             made_and_met.append(name)
     assert len(made_and_met) >= 4, made_and_met
+
+
+def test_paired_t_p_matches_scipy_and_a_hand_computation():
+    from scipy import stats as sps
+
+    d = [-0.3, -0.1, -0.2, -0.25, 0.05]
+    # hand: mean -0.16, sd 0.13874, t = 0.16 * sqrt(5) / 0.13874 = 2.5787, df 4
+    sd = math.sqrt(sum((x + 0.16) ** 2 for x in d) / 4)
+    assert 0.16 * math.sqrt(5) / sd == pytest.approx(2.5787, abs=1e-4)
+    assert stats.paired_t_p(d) == pytest.approx(sps.ttest_1samp(d, 0.0).pvalue, rel=1e-10)
+    assert stats.paired_t_p(d) == pytest.approx(0.06137, abs=1e-4)
+    assert stats.paired_t_p([-1.0] * 4) == 0.0 and stats.paired_t_p([0.0] * 4) == 1.0
+    assert math.isnan(stats.paired_t_p([1.0])) and math.isnan(stats.paired_t_p([1.0, math.nan]))
+
+
+@pytest.mark.parametrize("n", [1, 5, 8, 10, 12])
+def test_sign_flip_floor_is_the_smallest_p_the_exact_test_gives(n):
+    floor = stats.sign_flip_floor(n)
+    assert floor == 2 / 2**n
+    assert stats.sign_flip_p([-0.5] * n) == pytest.approx(min(1.0, floor))
+    rng = np.random.default_rng(n)
+    assert all(stats.sign_flip_p(rng.normal(size=n)) >= floor for _ in range(20))
+
+
+def test_family_with_the_paired_t_test_goes_below_the_sign_flip_floor():
+    base = [0.0] * 8
+    remedy = [-1.0, -1.1, -0.9, -1.05, -0.95, -1.2, -0.8, -1.0]
+    fam = stats.family("loss", {"a": {"remedy": remedy, "base": base}} | {
+        f"n{k}": {"remedy": [0.1, -0.1] * 4, "base": base} for k in range(9)
+    }, test="paired_t")  # fmt: skip
+    from scipy import stats as sps
+
+    p = sps.ttest_1samp(remedy, 0.0).pvalue
+    assert fam["a"]["test"] == "paired_t" and fam["a"]["p_test"] == pytest.approx(p)
+    assert fam["a"]["p_holm"] == pytest.approx(10 * p) and fam["a"]["claim_met"]
+    # the sign-flip test cannot pass here: its floor with 8 seeds, times 10, is 0.078
+    flip = stats.family("loss", {"a": {"remedy": remedy, "base": base}} | {
+        f"n{k}": {"remedy": [0.1, -0.1] * 4, "base": base} for k in range(9)
+    })  # fmt: skip
+    assert flip["a"]["p_holm"] == pytest.approx(10 * stats.sign_flip_floor(8))
+    assert not flip["a"]["claim_met"]
+    with pytest.raises(ValueError, match="test"):
+        stats.family("loss", {"a": {"remedy": remedy, "base": base}}, test="wilcoxon")
+
+
+def test_every_committed_result_ran_on_the_library_it_claims():
+    """Staleness: a results.json records the commit it ran on; a file under stabljax/control/
+    or stabljax/optim/ that changed since (committed or not) makes it stale. Regenerate."""
+    from experiments import regenerate
+
+    found = regenerate.stale()
+    assert not found, "\n".join(
+        f"experiments/results/{n}/results.json is stale ({why}); regenerate it with "
+        f"`{regenerate.command(n)}`, or all of them with `python -m experiments.regenerate`"
+        for n, why in found.items()
+    )
+
+
+def test_the_staleness_rule_on_a_real_commit(tmp_path, monkeypatch):
+    """The rule itself, against git: the current commit with no library change is fresh;
+    a recorded commit whose control/ differs from the tree is stale; no record is stale."""
+    from experiments import common, regenerate
+
+    head = common.git("rev-parse", "HEAD")
+    assert head, "the tests run in a git clone"
+    # The newest commit that changed stabljax/control: its parent differs from the tree.
+    last = common.git("log", "-1", "--format=%H", "--", "stabljax/control")
+    parent = common.git("rev-parse", f"{last}^")
+    monkeypatch.setattr(regenerate, "RESULTS", tmp_path)
+    cases = {
+        "fresh": {"commit": head, "dirty": []},
+        "old": {"commit": parent, "dirty": []},
+        "dirty": {"commit": head, "dirty": ["stabljax/optim/adam.py"]},
+        "none": None,
+    }
+    for name, lib in cases.items():
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "results.json").write_text(json.dumps({"library": lib}))
+    dirty_tree = common.git("status", "--porcelain", "--", *common.LIBRARY_PATHS)
+    assert (regenerate.stale_reason("fresh") is None) == (not dirty_tree)
+    assert "changed since" in regenerate.stale_reason("old")
+    assert "stabljax/control/" in regenerate.stale_reason("old")
+    assert "uncommitted" in regenerate.stale_reason("dirty")
+    assert "no library commit" in regenerate.stale_reason("none")
+    assert regenerate.stale_reason("missing") == "no results.json"
+
+
+def test_results_record_the_library_commit(tmp_path):
+    out = common_write(tmp_path)
+    lib = json.loads((out / "results.json").read_text())["library"]
+    from experiments import common
+
+    assert lib["commit"] == common.git("rev-parse", "HEAD") and len(lib["commit"]) == 40
+    assert lib["paths"] == ["stabljax/control", "stabljax/optim"]
+
+
+def common_write(tmp_path):
+    from experiments import common
+
+    return common.write_results(tmp_path, config={"a": 1}, results={}, table="", title="t")
