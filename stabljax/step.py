@@ -345,7 +345,8 @@ def make_train_step(
         taken at.
       signals: also return the leading indicators of a spike
         (:func:`stabljax.telemetry.leading_signals`: update/param RMS ratio and Adam RMS,
-        per layer and their max), for :class:`stabljax.control.WarningDetector`.
+        per layer and their max), for
+        :class:`stabljax.control.detect.warning.WarningDetector`.
       donate: donate the input state's buffers to the output (the input state is
         invalid after the call).
       compiler_options: XLA options for ``jax.jit``, e.g.

@@ -181,3 +181,84 @@ def test_missing_metrics_are_not_tested():
 def test_validation(kwargs, match):
     with pytest.raises(ValueError, match=match):
         WarningDetector(**kwargs)
+
+
+# ------------------------------------------------------------------ under the controller
+
+
+def noisy_batches(start: int, stop: int):
+    """The toy's data, with targets noisier on batches [start, stop): the grad norm rises."""
+    from toy import batch_fn_factory
+
+    clean = batch_fn_factory()
+
+    def batch_fn(i):
+        b = clean(i)
+        if start <= i < stop:
+            noise = np.random.default_rng(i).normal(size=b["y"].shape).astype(np.float32)
+            b["y"] = b["y"] + 5.0 * noise
+        return b
+
+    return batch_fn
+
+
+def lr_of(state):
+    return np.float32(state.opt_state.hyperparams["learning_rate"])
+
+
+def test_controller_lowers_the_lr_on_warning_and_restores_it(tmp_path):
+    import optax
+    from toy import make_toy
+
+    from stabljax.control import DivergenceDetector, IndexedBatches, RollbackController
+    from stabljax.control.decide.remedies import WarningResponse
+    from stabljax.control.events import read_events
+
+    state, step = make_toy(optax.inject_hyperparams(optax.sgd)(learning_rate=0.05))
+
+    def controller():
+        det = WarningDetector(
+            [Signal("grad_norm", "log")], threshold=6.0, warmup=20, alpha=0.8, calm=15, action="record"
+        )
+        return RollbackController(
+            tmp_path,
+            save_every=10,
+            keep=3,
+            rollback_margin=10,
+            detectors=[det, DivergenceDetector()],
+            warning_response=WarningResponse(factor=0.5),
+        )
+
+    data = IndexedBatches(noisy_batches(40, 55))
+    with controller() as ctl:
+        state, data = ctl.run(step, state, data, 50, progress=False)
+        assert ctl.detectors[0].engaged and ctl.detectors[0].applied
+        assert lr_of(state) == np.float32(0.025)
+    events = read_events(tmp_path / "events.jsonl")
+    warning = [e for e in events if e.kind == "warning"]
+    lowered = [e for e in events if e.kind == "warning_response"]
+    assert len(warning) == 1 and 40 <= warning[0].step < 50
+    assert [e.details["change"] for e in lowered] == ["lowered"]
+    # Step s's metrics are read one call late, while step s + 1 runs: step s + 2 is the first
+    # to train at the lowered LR, and the event carries that step.
+    assert lowered[0].step == warning[0].step + 2
+    # A restart from the checkpoint at step 50 brings back the lowered LR and the flag.
+    state0, _ = make_toy(optax.inject_hyperparams(optax.sgd)(learning_rate=0.05))
+    with controller() as ctl:
+        state, data = ctl.restore_or_init(state0, IndexedBatches(noisy_batches(40, 55)))
+        assert ctl.detectors[0].applied and lr_of(state) == np.float32(0.025)
+        state, data = ctl.run(step, state, data, 120, progress=False)
+        assert not ctl.detectors[0].engaged and not ctl.detectors[0].applied
+    assert lr_of(state) == np.float32(0.05)  # restored bitwise: 0.025 * 2
+    changes = [e.details["change"] for e in read_events(tmp_path / "events.jsonl")
+               if e.kind == "warning_response"]  # fmt: skip
+    assert changes == ["lowered", "restored"]
+
+
+def test_warning_response_needs_its_detector():
+    from stabljax.control.decide.remedies import WarningResponse
+
+    with pytest.raises(ValueError, match="factor"):
+        WarningResponse(factor=1.0)
+    with pytest.raises(ValueError, match="no warning detector"):
+        WarningResponse()(None, [], lambda *a, **k: None, 0)
