@@ -407,6 +407,7 @@ def make_train_step(
     precision: Precision = _FP32,
     layer_metrics: bool = False,
     qk_layers: Mapping[Any, QKLayer] | None = None,
+    signals: telemetry.Signals | None = None,
     donate: bool = True,
     compiler_options: Mapping[str, Any] | None = None,
 ) -> Callable[[TrainState, Any], tuple[TrainState, dict[str, Any]]]:
@@ -456,6 +457,10 @@ def make_train_step(
         ``metrics["attn_logit_proxy"]``, per layer
         :math:`\max_h \|W_q^h\|\|W_k^h\|/\sqrt{d_h}` of the params the gradients were
         taken at.
+      signals: also return the leading indicators of a spike
+        (:func:`stabljax.telemetry.leading_signals`: update/param RMS ratio and Adam RMS,
+        per layer and their max), for
+        :class:`stabljax.control.detect.warning.WarningDetector`.
       donate: donate the input state's buffers to the output (the input state is
         invalid after the call).
       compiler_options: XLA options for ``jax.jit``, e.g.
@@ -544,6 +549,8 @@ def make_train_step(
             out[metrics.ATTN_LOGIT_PROXY] = qk_logit_proxy(qk_layers, state.params)
         if layer_metrics:
             out[metrics.LAYERS] = telemetry.layer_metrics(grads, state.params, updates)
+        if signals is not None:
+            out |= telemetry.leading_signals(grads, state.params, updates, opt_state, b2=signals.b2)
         new_state = TrainState(
             step=optax.safe_increment(state.step),
             params=params,

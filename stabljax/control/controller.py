@@ -110,6 +110,7 @@ class RollbackController:
         Needs the train step (:meth:`run`'s, or ``screen_step``).
       screen_step: the train step to screen with in a hand-written loop (under
         :meth:`run`, the one given to it).
+      warning_response: ``f(state, detectors, log, step) -> state`` each step: ``WarningResponse``.
 
     Attributes:
       directory, events (the :class:`~stabljax.control.events.EventLog`), detectors, and
@@ -159,6 +160,7 @@ class RollbackController:
         remedy: Callable[[Any, RollbackInfo], Any] | None = None,
         screen_ahead: int = 0,
         screen_step: Callable[[Any, Any], tuple[Any, Mapping[str, Any]]] | None = None,
+        warning_response: Callable[..., Any] | None = None,
     ):
         sizes = dict(save_every=save_every, keep=keep, rollback_margin=rollback_margin)
         more = dict(extra_skip=extra_skip, max_rollbacks=max_rollbacks)
@@ -172,7 +174,7 @@ class RollbackController:
         self.async_save, self.background_save = bool(async_save), bool(background_save)
         self.data_config = jsonable(data_config)
         self.triage, self._train_step = as_config(triage), None
-        self.remedy = check_remedy(remedy)
+        self.remedy, self.warning_response = check_remedy(remedy), warning_response
         if isinstance(screen_ahead, bool) or not isinstance(screen_ahead, int) or screen_ahead < 0:
             raise ValueError(f"screen_ahead must be an int >= 0, got {screen_ahead!r}")
         if screen_step is not None and not callable(screen_step):
@@ -319,6 +321,8 @@ class RollbackController:
         self._stepped = (self._step, Monitor.snapshot_step(state.step))
         if previous is not None and (restored := self._process(*previous)) is not None:
             return restored, data
+        if self.warning_response is not None:
+            state = self.warning_response(state, self.detectors, self._log, self._step)
         if self._poll:
             self._store.poll()
         due = self._step % self.save_every == 0

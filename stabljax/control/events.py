@@ -62,6 +62,8 @@ EventKind = Literal[
     "triage",
     "rebaseline",
     "remedy",
+    "warning",
+    "warning_response",
 ]
 """The kinds of :class:`Event`.
 
@@ -80,9 +82,13 @@ checkpoint. ``skip``: a data range was added to the skip ledger.
 (:mod:`stabljax.control.diagnose.triage`; ``details["verdict"]``, evidence, culprits, attribution).
 ``rebaseline``: a ``skip_spikes`` guard took a new loss level as its baseline after
 consecutive agreeing skips (``metrics["spike_rebaselines"]`` rose; ``details["total"]``).
+``warning``: a :class:`~stabljax.control.detect.warning.WarningDetector` found a leading
+indicator rising (no rollback). ``warning_response``: a
+:class:`~stabljax.control.decide.remedies.WarningResponse` lowered or restored a
+hyperparameter (``details["change"]``).
 """
 
-SCHEMA_VERSION = "1.1"
+SCHEMA_VERSION = "1.2"
 """The version of the ``events.jsonl`` line format (docs/events.md)."""
 
 
@@ -150,7 +156,7 @@ class Event:
       >>> from stabljax.control.events import Event
       >>> e = Event("save", 100, time=0.0, details={"data_index": 100})
       >>> print(e.to_json())
-      {"schema": "1.1", "kind": "save", "step": 100, "time": 0.0, "details": {"data_index": 100}}
+      {"schema": "1.2", "kind": "save", "step": 100, "time": 0.0, "details": {"data_index": 100}}
       >>> Event.from_json(e.to_json()) == e
       True
     """

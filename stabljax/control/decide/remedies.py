@@ -321,6 +321,72 @@ def chain_remedies(*remedies: Callable[..., Any]) -> Remedy:
     return Remedy("chain", fn, {}, parts=tuple(remedies))
 
 
+@dataclasses.dataclass(frozen=True)
+class WarningResponse:
+    r"""Lowers a hyperparameter while a warning is in force, and restores it after: reversible.
+
+    Acts before the spike, where a remedy acts after a rollback. Given to
+    ``RollbackController(..., warning_response=WarningResponse())``, it is called once per
+    step with the train state; when the named detector (a
+    :class:`~stabljax.control.detect.warning.WarningDetector`) has engaged and the state
+    does not hold the response yet, it multiplies hyperparameter ``name`` of every
+    ``optax.inject_hyperparams`` state by ``factor`` (:func:`scale_hyperparam`); when the
+    detector has disengaged (its calm period passed), by ``1 / factor``. Each change is a
+    ``warning_response`` event. Whether the state holds the response is the detector's
+    checkpointed ``applied`` flag, so a rollback or restart that restores an older state
+    restores the matching flag, and the change is never applied twice or lost. With a
+    power-of-two ``factor`` (0.5, the default) the restored value is bitwise the original
+    (other factors: within a rounding). Rollback stays the fallback: the reactive detectors
+    still roll back if the loss rises anyway.
+
+    Attributes:
+      detector: the warning detector's ``name``.
+      factor: the multiplier while engaged, finite, > 0 and != 1.
+      name: the injected hyperparameter (``"learning_rate"``; ``"step_size"`` of a chained
+        ``inject_hyperparams(optax.scale)`` for a scheduled LR, as for :func:`lower_lr`).
+
+    Example:
+      >>> import jax.numpy as jnp, optax
+      >>> from stabljax.control.decide.remedies import WarningResponse
+      >>> from stabljax.control.detect.warning import Signal, WarningDetector
+      >>> det = WarningDetector([Signal("grad_norm", "level")], threshold=5.0, warmup=4)
+      >>> opt = optax.inject_hyperparams(optax.sgd)(learning_rate=0.1)
+      >>> state, events = opt.init({"w": jnp.zeros(2)}), []
+      >>> respond = WarningResponse(factor=0.5)
+      >>> for step, g in enumerate([1.0, 1.1, 0.9, 1.0, 1.05, 1.6, 2.2]):
+      ...     _ = det.update(step, {"grad_norm": g})
+      ...     state = respond(state, [det], lambda kind, step, **d: events.append(kind), step)
+      >>> print(state.hyperparams["learning_rate"], events, det.applied)
+      0.05 ['warning_response'] True
+    """
+
+    detector: str = "warning"
+    factor: float = 0.5
+    name: str = "learning_rate"
+
+    def __post_init__(self):
+        if _positive_factor(self.factor) == 1.0:
+            raise ValueError("WarningResponse: factor 1 changes nothing; pick another")
+
+    def __call__(self, state: Any, detectors: Any, log: Callable[..., None], step: int) -> Any:
+        found = [d for d in detectors if getattr(d, "name", None) == self.detector]
+        if not found or not hasattr(found[0], "mark_applied"):
+            raise ValueError(
+                f"WarningResponse: no warning detector named {self.detector!r} among the "
+                f"controller's detectors {[getattr(d, 'name', d) for d in detectors]}"
+            )
+        det = found[0]
+        if det.engaged == det.applied:
+            return state
+        factor = self.factor if det.engaged else 1.0 / self.factor
+        state = scale_hyperparam(factor, self.name)(state, None)
+        det.mark_applied(det.engaged)
+        change = "lowered" if det.engaged else "restored"
+        log("warning_response", step, change=change, name=self.name, factor=factor,
+            detector=self.detector)  # fmt: skip
+        return state
+
+
 def remedy_event(entry: Mapping[str, Any], *, reapplied: bool) -> dict[str, Any]:
     """The ``remedy`` event's details for the rollback ledger ``entry`` that applied one."""
     info = entry["remedy_info"]
