@@ -19,9 +19,9 @@ from typing import Any
 
 import numpy as np
 
+from stabljax.base import validate
 from stabljax.control.detect.detectors import Detection, check_metric, int_at_least
 from stabljax.metrics import ADAM_RMS, GRAD_NORM, LOG_Z, MAX_ATTN_LOGIT, UPDATE_RMS_RATIO
-from stabljax.optim._base import validate
 
 TRANSFORMS = ("log", "diff", "level")
 
