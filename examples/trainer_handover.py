@@ -143,7 +143,7 @@ def main(argv=None) -> None:
     p.add_argument("--steps", type=int, default=20, help="train steps (micro-batches)")
     p.add_argument("--workdir", type=pathlib.Path, help="where checkpoints go (default: a tempdir)")
     args = p.parse_args(argv)
-    cfg = Config(steps=args.steps, save_every=10)
+    cfg = Config(steps=args.steps)
     n = cfg.seq_len + 1
     text = pathlib.Path(__file__).read_bytes() * 8  # the trainer's source as its corpus
     docs = [(text[i : i + n], 1.0) for i in range(0, len(text) - n, n)]

@@ -24,7 +24,8 @@ Holm over all of them together.
     python -m experiments.spike_recovery [--quick] [--steps 500] [--seeds 100 101] ...
 
 Results go to ``runs/spike_recovery/`` (git-ignored); ``--commit-results`` writes the
-committed ``experiments/results/spike_recovery/`` that README's claims are read from.
+committed ``experiments/results/spike_recovery/`` that docs/experiments.md's claims are
+read from.
 """
 
 from __future__ import annotations

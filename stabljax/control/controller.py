@@ -63,9 +63,9 @@ class RollbackController:
     :meth:`finish` in a hand-written loop. A rollback restores train state, data position
     and detector state together; ``skipped_ranges`` and the rollback count survive
     rollbacks and restarts, and the final state was trained on exactly
-    ``range(data.index)`` minus ``skipped_ranges``, in order. README.md ("Rollback and data
-    skipping") has the operator's view: the directory lock, preemption, disk space, end of
-    data and the resume checks.
+    ``range(data.index)`` minus ``skipped_ranges``, in order. docs/guides/rollback.md has
+    the operator's view: the directory lock, preemption, disk space, end of data and the
+    resume checks.
 
     Args:
       directory: checkpoints, ``events.jsonl``, the rollback record and the lock, created

@@ -97,7 +97,8 @@ class SpikeRule:
     length. One within ``rebaseline_ratio`` of the level (a 2× garbage window) is taken as a
     new level after :math:`K` steps and its remaining steps are applied; one above it (the 30
     steps at 3.4× recorded from a real run) is skipped whole unless it lasts
-    ``rebaseline_max_after`` steps (``experiments/bench/guard_streams.py``; table in README).
+    ``rebaseline_max_after`` steps (``experiments/bench/guard_streams.py``; the table is in
+    docs/guides/guards.md).
 
     Attributes:
       z_threshold: > 0.
