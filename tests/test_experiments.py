@@ -309,11 +309,27 @@ def test_committed_results_follow_issue_29():
         for g in grids:
             assert min(g["lrs"]) <= 1e-4 and max(g["lrs"]) >= 1 and g["lrs"][0] < g["best_lr"]
         rem = s["remedies"]
-        assert s["family_size"] == len(rem) > 0, name
-        raw = [stats.sign_flip_p(r["per_seed"]) for r in rem.values()]
-        for r, p, p_adj in zip(rem.values(), raw, stats.holm(raw), strict=True):
+        # One Holm family (issue 50): every claim and every best-loss verdict together, each
+        # with the test it declares (exact sign-flip unless "paired_t"), recomputed here.
+        best = [
+            e.get("vs_base") for arms in s.get("best_per_arm", {}).values() for e in arms.values()
+        ]
+        best = [e for e in best if e is not None]
+        members = list(rem.values()) + best
+        assert s["family_size"] == len(members) and len(rem) > 0, name
+
+        def raw_p(r):
+            if r.get("test") == "paired_t":
+                return stats.paired_t_p(r["per_seed"])
+            return stats.sign_flip_p(r["per_seed"])
+
+        raw = [raw_p(r) for r in members]
+        for r, p_adj in zip(members, stats.holm(raw), strict=True):
+            assert r["p_holm"] == pytest.approx(p_adj), name
+        for r, p in zip(rem.values(), raw[: len(rem)], strict=True):
             assert len(r["per_seed"]) == s["seeds"]
-            assert r["p_sign_flip"] == pytest.approx(p) and r["p_holm"] == pytest.approx(p_adj)
+            assert r.get("p_test", r["p_sign_flip"]) == pytest.approx(p)
+            p_adj = r["p_holm"]
             lo, hi = stats.t_interval(r["per_seed"])
             assert r["ci95"] == pytest.approx([lo, hi]) and r["effect_mean"] == pytest.approx(
                 float(np.mean(r["per_seed"]))
