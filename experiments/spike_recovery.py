@@ -64,7 +64,7 @@ class Config:
     batch_size: int = 16
     lr: float = lm_spikes.FAILURE_LR
     b2: float = 0.999
-    steps: int = 500
+    steps: int = 400
     seeds: tuple[int, ...] = tuple(range(100, 108))
     scan_lrs: tuple[float, ...] = (1e-4, 1e-3, 3e-3, 1e-2, 0.1, 1.0)
     scan_seeds: tuple[int, ...] = (0, 1, 2)
