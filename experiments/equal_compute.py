@@ -87,13 +87,13 @@ def run_scanned(progs: Programs, kind: str, seeds, lrs, steps: int) -> list[dict
     states = [progs.state(kind, sd, lr) for sd, lr in zip(seeds, lrs, strict=True)]
     fns = [progs.task.batches(sd) for sd in seeds]
     state, losses = lm_spikes.scan_runs(progs.steps[kind], states, fns, steps)
-    skipped = optax.tree.get(state.opt_state, "nonfinite_skips", None)
+    counts = [optax.tree.get(state.opt_state, n) for n in ("nonfinite_skips", "spike_skips")]
+    skipped = sum(np.asarray(c) for c in counts if c is not None)  # 0 without guards
     out = []
     for k, (sd, lr) in enumerate(zip(seeds, lrs, strict=True)):
         params = jax.tree.map(lambda v, k=k: v[k], state.params)
         extra = {"seed": sd, "lr": lr, "final_lr": lr}
-        if skipped is not None:
-            extra["guard_skips"] = int(np.asarray(skipped)[k])
+        extra["guard_skips"] = int(np.broadcast_to(skipped, (len(seeds),))[k])
         out.append(record(losses[k], progs.evaluate(params), **extra))
     return out
 
