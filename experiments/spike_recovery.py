@@ -313,7 +313,10 @@ def main(argv=None) -> dict:
     summary = summarize(cfg, ec, grid, best_lr)
     res = {"equal_compute": ec, "scan": scan_rows, "runs": runs}
     res["healthy_rollbacks_per_1000"] = summary["healthy_rollbacks_per_1000"]
-    ex.write(res, table=table(cfg, summary), title="Spike recovery (main job)", summary=summary)
+    top = {k: summary[k] for k in ("equal_compute", "healthy_rollbacks_per_1000", "task")}
+    ex.write(
+        res, table=table(cfg, summary), title="Spike recovery (main job)", summary=summary, top=top
+    )
     pad = lambda x: np.pad(np.asarray(x, float), (0, cfg.steps - len(x)), constant_values=np.nan)  # noqa: E731
     curves = {a: np.array([pad(r["losses"]) for r in runs if r["arm"] == a]) for a in ARMS}
     plots.curves(

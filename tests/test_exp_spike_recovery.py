@@ -3,6 +3,7 @@ the LM task's spike criterion and the equal-compute bookkeeping (:mod:`experimen
 :mod:`experiments.equal_compute`); the Slingshot task's pieces (the old main job, kept for
 ``experiments/bench/detectors.py``); the repeated-n-gram filter of :mod:`experiments.faults`."""
 
+import json
 import math
 import types
 
@@ -146,6 +147,9 @@ def test_spike_recovery(tmp_path):
     res, cfg, s = run_quick("spike_recovery", tmp_path, figures=FIGURES, script=True)
     ec = s["equal_compute"]
     assert res["equal_compute"] == ec and set(ec) == set(spike_recovery.ARMS)
+    top = json.loads((tmp_path / "spike_recovery" / "results.json").read_text())
+    assert top["equal_compute"] == ec and top["task"] == s["task"]
+    assert top["healthy_rollbacks_per_1000"] == s["healthy_rollbacks_per_1000"]
     assert {"unguarded", "best_fixed_lr", "cosine"} <= set(ec)
     assert s["failure_made_by_model"] is True and "Transformer" in s["task"]
     assert "corpus" in s["task"]
