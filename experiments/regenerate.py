@@ -90,7 +90,9 @@ def main(argv=None) -> int:
     for n in todo:
         why = reasons.get(n, "requested")
         print(f"{command(n)}  (last run {PLAN[n][1] / 60:.0f} min; {why})")
-    print(f"then: python -m experiments.summary_table --rederive  (runs above: ~{total / 3600:.1f} h)")
+    print(
+        f"then: python -m experiments.summary_table --rederive  (runs above: ~{total / 3600:.1f} h)"
+    )
     if a.list:
         return 0
     for n in todo:
