@@ -29,7 +29,7 @@ from experiments.common import LIBRARY_PATHS, RESULTS, git
 #: name -> (arguments after ``python -m``, wall seconds of the committed run on the shared
 #: 2-core machine, where it was recorded; a rough guide, the load varied).
 PLAN: dict[str, tuple[tuple[str, ...], float]] = {
-    "spike_recovery": (("experiments.spike_recovery", "--commit-results", "--no-progress"), 853.0),
+    "spike_recovery": (("experiments.spike_recovery", "--commit-results", "--no-progress"), 517.0),
     "adam_eps": (("experiments.adam_eps", "--no-progress"), 2278.0),
     "lr_sensitivity": (("experiments.lr_sensitivity", "--no-progress"), 3171.0),
     "warmup": (("experiments.warmup", "--no-progress"), 2408.0),
