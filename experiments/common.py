@@ -127,12 +127,15 @@ def write_results(
     summary: dict[str, Any] | None = None,
     command: str | None = None,
     wall_s: float | None = None,
+    top: dict[str, Any] | None = None,
 ) -> pathlib.Path:
     """Writes ``<stem>.json`` (command, wall time, config, environment, the library commit
     (:func:`library_commit`), summary, every number) and ``<stem>.md``.
 
     Files are written to a temporary name and renamed, so a reader never sees half a file.
     In a multi-process run only process 0 writes (every process holds the same numbers).
+    ``top``: fields a reader looks for at the top level of the file (copies of summary
+    fields), beside the fixed ones.
     """
     out = pathlib.Path(out)
     if not is_primary():
@@ -150,6 +153,7 @@ def write_results(
         payload["command"] = command
     if wall_s is not None:
         payload["wall_s"] = round(float(wall_s), 1)
+    payload |= {k: jsonable(v) for k, v in (top or {}).items() if k not in payload}
     for name, text in (
         (f"{stem}.json", json.dumps(payload, indent=1, sort_keys=True) + "\n"),
         (f"{stem}.md", f"# {title}\n\n{table}"),

@@ -87,13 +87,13 @@ def run_scanned(progs: Programs, kind: str, seeds, lrs, steps: int) -> list[dict
     states = [progs.state(kind, sd, lr) for sd, lr in zip(seeds, lrs, strict=True)]
     fns = [progs.task.batches(sd) for sd in seeds]
     state, losses = lm_spikes.scan_runs(progs.steps[kind], states, fns, steps)
-    skipped = optax.tree.get(state.opt_state, "nonfinite_skips", None)
+    counts = [optax.tree.get(state.opt_state, n) for n in ("nonfinite_skips", "spike_skips")]
+    skipped = sum(np.asarray(c) for c in counts if c is not None)  # 0 without guards
     out = []
     for k, (sd, lr) in enumerate(zip(seeds, lrs, strict=True)):
         params = jax.tree.map(lambda v, k=k: v[k], state.params)
         extra = {"seed": sd, "lr": lr, "final_lr": lr}
-        if skipped is not None:
-            extra["guard_skips"] = int(np.asarray(skipped)[k])
+        extra["guard_skips"] = int(np.broadcast_to(skipped, (len(seeds),))[k])
         out.append(record(losses[k], progs.evaluate(params), **extra))
     return out
 
@@ -125,8 +125,7 @@ def run_controlled(cfg, progs: Programs, seed: int, lr: float, ckpt, *, remedy: 
     calls, losses, tagged, snaps, end = [], [], [], {}, {}
 
     def tick(state, batch):
-        new = [e for e in ctl.events[len(tagged) :]]
-        tagged.extend((len(calls), e) for e in new)  # events seen before this call
+        tagged.extend((len(calls), e) for e in ctl.events[len(tagged) :])  # seen before it
         end["state"] = state
         if len(calls) >= cfg.steps:
             raise _Budget
@@ -148,7 +147,7 @@ def run_controlled(cfg, progs: Programs, seed: int, lr: float, ckpt, *, remedy: 
         gave_up = True
     finally:
         ctl.close(quiet=True)
-    events = [(k, e.to_dict() if hasattr(e, "to_dict") else dict(e)) for k, e in tagged]
+    events = [(k, _event(e)) for k, e in tagged]
     events += [(len(calls), _event(e)) for e in ctl.events[len(tagged) :]]
     x = np.asarray(jax.device_get(losses), float)
     final_state = end["state"]
@@ -170,7 +169,9 @@ def run_controlled(cfg, progs: Programs, seed: int, lr: float, ckpt, *, remedy: 
 
 
 def _event(e) -> dict:
-    return e.to_dict() if hasattr(e, "to_dict") else dict(e)
+    """An event as one flat dict: ``kind``, ``step`` and its details."""
+    d = e.to_dict() if hasattr(e, "to_dict") else dict(e)
+    return {**d.get("details", {}), "kind": d["kind"], "step": int(d["step"])}
 
 
 def rollback_rises(calls: list[int], losses: np.ndarray, events: list[tuple[int, dict]]):

@@ -29,7 +29,7 @@ from experiments.common import LIBRARY_PATHS, RESULTS, git
 #: name -> (arguments after ``python -m``, wall seconds of the committed run on the shared
 #: 2-core machine, where it was recorded; a rough guide, the load varied).
 PLAN: dict[str, tuple[tuple[str, ...], float]] = {
-    "spike_recovery": (("experiments.spike_recovery", "--commit-results", "--no-progress"), 0.0),
+    "spike_recovery": (("experiments.spike_recovery", "--commit-results", "--no-progress"), 517.0),
     "adam_eps": (("experiments.adam_eps", "--no-progress"), 2278.0),
     "lr_sensitivity": (("experiments.lr_sensitivity", "--no-progress"), 3171.0),
     "warmup": (("experiments.warmup", "--no-progress"), 2408.0),
@@ -90,7 +90,9 @@ def main(argv=None) -> int:
     for n in todo:
         why = reasons.get(n, "requested")
         print(f"{command(n)}  (last run {PLAN[n][1] / 60:.0f} min; {why})")
-    print(f"then: python -m experiments.summary_table --rederive  (~{total / 3600:.1f} h before)")
+    print(
+        f"then: python -m experiments.summary_table --rederive  (runs above: ~{total / 3600:.1f} h)"
+    )
     if a.list:
         return 0
     for n in todo:

@@ -65,7 +65,7 @@ class Config:
     batch_size: int = 16
     lr: float = lm_spikes.FAILURE_LR
     b2: float = 0.999
-    steps: int = 500
+    steps: int = 400
     seeds: tuple[int, ...] = tuple(range(100, 108))
     scan_lrs: tuple[float, ...] = (1e-4, 1e-3, 3e-3, 1e-2, 0.1, 1.0)
     scan_seeds: tuple[int, ...] = (0, 1, 2)
@@ -240,11 +240,52 @@ def table(cfg: Config, s: dict) -> str:
         {"lr": f"{lr:g}", "final held-out": f"{v:.4f}"}
         for lr, v in zip(g["lrs"], g["score"], strict=True)
     ]
-    return common.captioned_tables(
-        (f"Means over {len(cfg.seeds)} seeds, {cfg.steps} train-step calls per run", rows),
-        (f"{PRIMARY}, paired per seed; paired t p-values, Holm over all {len(eff)}", eff),
-        (f"LR scan ({g['arm']}): best {g['best_lr']:g}", scan),
+    return (
+        reading(s)
+        + "\n"
+        + common.captioned_tables(
+            (f"Means over {len(cfg.seeds)} seeds, {cfg.steps} train-step calls per run", rows),
+            (f"{PRIMARY}, paired per seed; paired t p-values, Holm over all {len(eff)}", eff),
+            (f"LR scan ({g['arm']}): best {g['best_lr']:g}", scan),
+        )
     )
+
+
+def reading(s: dict) -> str:
+    """What the controller buys against each baseline, in words, from the summary's numbers
+    (so a re-run rewrites it with its own)."""
+    fam, ec, best = s["remedies"], s["equal_compute"], s["lr_grid"]["best_lr"]
+
+    def eff(arm, base):
+        (k,) = [k for k in fam if k.startswith(f"{arm} − {base} @ ")]
+        r = fam[k]
+        lo, hi = r["ci95"]
+        word = "no different"
+        if lo > 0 or hi < 0:
+            side = "higher" if lo > 0 else "lower"
+            word = side if r["p_holm"] < 0.05 else f"{side} before Holm, not after"
+        return f"{arm} {common.fmt_ci(r)} (Holm p {r['p_holm']:.2g}: {word})"
+
+    rb = [n for a in ("rollback", "remedy") for n in ec[a]["rollbacks"]]
+    below = sum(n for a in ("rollback", "remedy") for n in ec[a]["rollbacks_below_criterion"])
+    lines = [
+        "**What the controller buys, at equal compute** (final held-out loss, arm − base):",
+        f"- against `unguarded`: {eff('rollback', 'unguarded')}; {eff('remedy', 'unguarded')}.",
+        f"- against `best_fixed_lr` (lr {best:g}, from the scan): "
+        f"{eff('rollback', 'best_fixed_lr')}; {eff('remedy', 'best_fixed_lr')}.",
+        f"- against `cosine` (the same LR decayed to 0): {eff('rollback', 'cosine')}; "
+        f"{eff('remedy', 'cosine')}.",
+        f"- rollbacks at the failure LR: {sum(rb)} over {len(rb)} runs, {below} of them below the "
+        f"{s['spike_criterion_nats']:g}-nat spike criterion; on the healthy best-LR run "
+        f"{s['healthy_rollbacks_per_1000']:.3g} per 1,000 calls.",
+        "",
+        "A fixed LR is not known in advance; where a scan finds one, compare with it first. "
+        "The controller is for the runs where it is not found (a spike becomes a restart from "
+        "a checkpoint, with a lower LR under `remedy`, instead of a lost run) and for bad data "
+        "(a window of batches it skips); neither is a fixed LR's job, and neither makes a "
+        "too-high LR as good as the right one.",
+    ]
+    return "\n".join(lines) + "\n"
 
 
 def output_argv(argv) -> list[str]:
@@ -273,7 +314,10 @@ def main(argv=None) -> dict:
     summary = summarize(cfg, ec, grid, best_lr)
     res = {"equal_compute": ec, "scan": scan_rows, "runs": runs}
     res["healthy_rollbacks_per_1000"] = summary["healthy_rollbacks_per_1000"]
-    ex.write(res, table=table(cfg, summary), title="Spike recovery (main job)", summary=summary)
+    top = {k: summary[k] for k in ("equal_compute", "healthy_rollbacks_per_1000", "task")}
+    ex.write(
+        res, table=table(cfg, summary), title="Spike recovery (main job)", summary=summary, top=top
+    )
     pad = lambda x: np.pad(np.asarray(x, float), (0, cfg.steps - len(x)), constant_values=np.nan)  # noqa: E731
     curves = {a: np.array([pad(r["losses"]) for r in runs if r["arm"] == a]) for a in ARMS}
     plots.curves(

@@ -362,10 +362,9 @@ def sign_flip_p(x: Sequence[float]) -> float:
 
 
 def paired_t_p(x: Sequence[float]) -> float:
-    """Two-sided p of the paired t-test of mean 0 on the differences ``x``:
-    ``2·(1 − F_{n−1}(|mean|·√n / sd))``. No floor but 0, unlike :func:`sign_flip_p`; it
-    assumes the mean of the differences is near normal. All-equal non-zero differences
-    give 0, all zero give 1; non-finite entries or fewer than 2 give NaN."""
+    """Two-sided paired t-test p of mean 0 on the differences ``x``, ``2·(1 − F_{n−1}(|mean|
+    ·√n / sd))``: no floor (unlike :func:`sign_flip_p`), assumes a near-normal mean. Equal
+    non-zero differences give 0, all zero 1; non-finite entries or fewer than 2, NaN."""
     v = np.asarray(x, dtype=float)
     if v.ndim != 1 or v.size == 0:
         raise ValueError(f"x must be a non-empty 1-D sequence, got shape {v.shape}")
@@ -379,10 +378,8 @@ def paired_t_p(x: Sequence[float]) -> float:
 
 
 def sign_flip_floor(n: int) -> float:
-    """The smallest p :func:`sign_flip_p` can give with ``n`` seeds: ``2 / 2**n`` (only the
-    observed sign pattern and its mirror reach the observed |mean|). Holm over ``m``
-    comparisons multiplies the smallest by ``m``: with 10 seeds and 20 comparisons the
-    floor is 0.039, so a claim there passes only when every seed agrees."""
+    """The smallest p :func:`sign_flip_p` gives with ``n`` seeds, ``2 / 2**n``; Holm over
+    ``m`` comparisons makes it ``m`` times that (10 seeds, 20 comparisons: 0.039)."""
     if n < 1:
         raise ValueError(f"n must be >= 1, got {n}")
     return 2.0 / 2**n

@@ -3,6 +3,7 @@ the LM task's spike criterion and the equal-compute bookkeeping (:mod:`experimen
 :mod:`experiments.equal_compute`); the Slingshot task's pieces (the old main job, kept for
 ``experiments/bench/detectors.py``); the repeated-n-gram filter of :mod:`experiments.faults`."""
 
+import json
 import math
 import types
 
@@ -146,6 +147,9 @@ def test_spike_recovery(tmp_path):
     res, cfg, s = run_quick("spike_recovery", tmp_path, figures=FIGURES, script=True)
     ec = s["equal_compute"]
     assert res["equal_compute"] == ec and set(ec) == set(spike_recovery.ARMS)
+    top = json.loads((tmp_path / "spike_recovery" / "results.json").read_text())
+    assert top["equal_compute"] == ec and top["task"] == s["task"]
+    assert top["healthy_rollbacks_per_1000"] == s["healthy_rollbacks_per_1000"]
     assert {"unguarded", "best_fixed_lr", "cosine"} <= set(ec)
     assert s["failure_made_by_model"] is True and "Transformer" in s["task"]
     assert "corpus" in s["task"]
@@ -188,3 +192,31 @@ def test_spike_recovery(tmp_path):
     g = s["lr_grid"]
     assert g["seeds"] == len(cfg["scan_seeds"]) >= 3 and g["lrs"] == sorted(cfg["scan_lrs"])
     assert s["p_floor_sign_flip"] == 2 / 2**n
+
+
+def test_a_given_up_run_is_scored_on_its_last_kept_state(tmp_path):
+    """The controller gives up (max_rollbacks 0) on a NaN loss from step 12 on; the run is
+    scored on the newest save-boundary state at or before that onset (step 10, saves every
+    5), recomputed here by training 10 steps by hand: not the initial state, not the last."""
+    import dataclasses
+
+    import jax.numpy as jnp
+
+    cfg = dataclasses.replace(spike_recovery.Config.quick(), steps=30, max_rollbacks=0)
+    progs = equal_compute.Programs(cfg)
+    clean = progs.steps["plain"]
+
+    def poisoned(state, batch):
+        new, m = clean(state, batch)
+        return new, dict(m, loss=jnp.where(state.step >= 12, jnp.nan, m["loss"]))
+
+    progs.steps["plain"] = poisoned
+    r = equal_compute.run_controlled(cfg, progs, 0, 1e-2, tmp_path / "ckpt", remedy=False)
+    assert r["gave_up"] and r["diverged"] and r["rollbacks"] == 0
+    assert 13 <= r["steps_executed"] < cfg.steps  # stopped once the NaN was seen
+    state, fn = progs.state("plain", 0, 1e-2), progs.task.batches(0)
+    for i in range(10):
+        state, _ = clean(state, fn(i))
+    want = progs.evaluate(state.params)
+    assert r["final_heldout"] == pytest.approx(want, rel=1e-5)
+    assert want != pytest.approx(progs.evaluate(progs.state("plain", 0, 1e-2).params), rel=1e-4)
