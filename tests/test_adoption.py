@@ -289,3 +289,41 @@ def run_garbage_window(workdir, *, window=GARBAGE, keep_all=False, steps=STEPS, 
         _, bad_eval, _ = adopt_after.train(cfg, docs, held_out, workdir)
     rollbacks, retrained = window_retrained(read_events(workdir / "ctl" / "events.jsonl"), window)
     return rollbacks, retrained, bad_eval
+
+
+EARLY = range(122, 142)  # issue 52's window: right after the step-100 checkpoint, early on
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("keep_all", [False, True], ids=["loader_rewinds", "loader_cannot"])
+@pytest.mark.parametrize("window", [GARBAGE, EARLY], ids=["at_250", "at_122"])
+def test_the_garbage_window_is_passed_with_one_rollback_at_the_defaults(tmp_path, keep_all, window):
+    """The recipe's settings (the controller's defaults, ``screen_ahead=64``): one rollback
+    passes the 20-batch window, and at most 2 of its batches are trained on after it
+    (measured: none; BUILD.md, "The garbage window"), whether the loader can rewind (it is
+    screened in place) or not (it is read ahead). With the old default margin of 100 the
+    window at 122 rolled back to the untrained step 0, whose losses cannot tell garbage
+    from text, and 7 of its batches were trained on again."""
+    steps = STEPS if window is GARBAGE else 220
+    rollbacks, retrained, _ = run_garbage_window(
+        tmp_path, window=window, keep_all=keep_all, steps=steps
+    )
+    assert rollbacks == 1 and len(retrained) <= 2, (rollbacks, retrained)
+
+
+def test_window_retrained_counts_the_window_batches_fed_after_each_rollback():
+    """The count above, on hand-made events: a first skip that ends inside the window
+    (two batches fed again before the next rollback), then a doubled one past it."""
+    from stabljax.control import Event
+
+    window = range(20, 30)
+    events = [
+        Event("rollback", 24, details={}),
+        Event("skip", 24, details={"range": [10, 25], "fed_end": 25}),
+        Event("restore", 10, details={"data_index": 25, "reason": "rollback"}),
+        Event("rollback", 26, details={}),
+        Event("skip", 26, details={"range": [10, 40], "fed_end": 27}),
+        Event("restore", 10, details={"data_index": 40, "reason": "rollback"}),
+    ]
+    assert window_retrained(events, window) == (2, [25, 26])
+    assert window_retrained(events[:3], window) == (1, [25, 26, 27, 28, 29])

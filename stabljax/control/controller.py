@@ -81,13 +81,13 @@ class RollbackController:
       keep: checkpoints kept (the newest; the best too for ``rollback_best``). Disk room
         for ``keep + 1`` is needed: the oldest goes once the next has committed.
       rollback_margin: the target is at least this many steps before the onset (less than
-        ``save_every * keep``, else ``ValueError``).
+        ``save_every * keep``, else ``ValueError``). Below ``save_every`` (the default, 10),
+        the target is the newest checkpoint before the trouble, not one a whole interval older.
       extra_skip: batches skipped beyond the last one fed before the rollback.
       detectors: default :func:`~stabljax.control.detect.drift.default_detectors`. Action
         ``"raise"`` raises :class:`TrainingDiverged`; an unknown action is a ``ValueError``.
-      max_rollbacks: rollbacks allowed; the next one raises :class:`TrainingDiverged`.
-        ``None``: unlimited. Every integer argument must be an ``int`` (not a bool, a
-        float, NaN or inf) in its range, else a ``ValueError`` naming it.
+      max_rollbacks: rollbacks allowed (``None``: unlimited); the next raises
+        ``TrainingDiverged``. Integer arguments are ``int`` in range, else ``ValueError``.
       async_save: Orbax writes in the background (the host copy is made in :meth:`step`).
       background_save: a worker thread writes an on-device copy; one process, no other Orbax
         saves in it (Orbax's operation ids are global). Errors raise at the next wait.
@@ -147,7 +147,7 @@ class RollbackController:
         *,
         save_every: int = 100,
         keep: int = 3,
-        rollback_margin: int = 100,
+        rollback_margin: int = 10,
         extra_skip: int = 0,
         detectors: Sequence[Detector] | None = None,
         max_rollbacks: int | None = 10,
