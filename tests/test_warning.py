@@ -289,7 +289,9 @@ def test_bench_event_rule():
 
     loss = np.full(60, 2.0) + 0.01 * np.sin(np.arange(60))
     assert event_step(loss, 0) is None
-    loss[40] = 2.6  # 0.6 nats above the median of the 20 before
+    loss[30] = 4.0  # one batch's outlier: not an event
+    assert event_step(loss, 0) is None
+    loss[40:43] = 2.6  # 0.6 nats above the median of the 20 before, for 3 of 5 steps
     assert event_step(loss, 0) == 40 and event_step(loss, 41) is None
     loss[50] = np.nan
     assert event_step(loss, 41) == 50

@@ -127,7 +127,7 @@ class WarningDetector:
         threshold: float = 12.0,
         drift: float = 1.0,
         alpha: float = 0.97,
-        warmup: int = 30,
+        warmup: int = 60,
         clamp: float = 6.0,
         winsor: float = 3.0,
         calm: int = 50,
