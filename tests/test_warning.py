@@ -295,3 +295,5 @@ def test_bench_event_rule():
     assert event_step(loss, 0) == 40 and event_step(loss, 41) is None
     loss[50] = np.nan
     assert event_step(loss, 41) == 50
+    loss[50], loss[58] = 2.0, 4.0  # an outlier two steps from the end: no full window
+    assert event_step(loss, 41) is None

@@ -161,6 +161,8 @@ def event_step(loss: np.ndarray, start: int) -> int | None:
     for t in range(max(start, 10), loss.size):
         if not math.isfinite(loss[t]):
             return t
+        if t + HOLD > loss.size:  # too near the end to tell a rise from one outlier
+            continue
         base = loss[max(0, t - BASE) : t]
         base = np.median(base[np.isfinite(base)]) if np.isfinite(base).sum() >= 10 else None
         ahead = loss[t : t + HOLD]
