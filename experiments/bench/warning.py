@@ -327,7 +327,8 @@ def run(cfg: Config, bar) -> dict:
         np.savez_compressed(cached, **metrics)
     cal = [i for i, r in enumerate(runs) if r["arm"] == "calib"]
     peak = max(float(cusum_maxima(metrics, i).max()) for i in cal)
-    threshold = float(f"{cfg.margin * peak:.3g}")
+    # No statistic rose (runs shorter than the warmup): the detector's own default.
+    threshold = float(f"{cfg.margin * peak:.3g}") if peak > 0 else WarningDetector().threshold
     keep = [i for i, r in enumerate(runs) if r["arm"] != "calib"]
     sub = {k: v[keep] for k, v in metrics.items()}
     rows, summary = score([runs[i] for i in keep], sub, detector_factories(threshold))
