@@ -158,3 +158,14 @@ def test_step_returns_signals_as_device_values_without_a_host_call():
     )
     for key in metrics.SIGNAL_KEYS:
         metrics.check_key("test", "metric", key)
+
+
+def test_signals_aot_quick(tmp_path):
+    pytest.importorskip("libtpu")
+    from experiments.bench import signals_aot
+
+    res = signals_aot.main(["--quick", "--out", str(tmp_path), "--no-progress"])
+    ratio = res["ratios"]["bytes_signals/guarded (tiny-data)"]
+    # the signals read the gradients and the second moment once more: more bytes, not fewer
+    assert 1.0 < ratio < 2.0
+    assert (tmp_path / "signals_aot.json").exists()

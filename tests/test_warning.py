@@ -218,7 +218,12 @@ def test_controller_lowers_the_lr_on_warning_and_restores_it(tmp_path):
 
     def controller():
         det = WarningDetector(
-            [Signal("grad_norm", "log")], threshold=6.0, warmup=20, alpha=0.8, calm=15, action="record"
+            [Signal("grad_norm", "log")],
+            threshold=6.0,
+            warmup=20,
+            alpha=0.8,
+            calm=15,
+            action="record",
         )
         return RollbackController(
             tmp_path,
@@ -262,3 +267,34 @@ def test_warning_response_needs_its_detector():
         WarningResponse(factor=1.0)
     with pytest.raises(ValueError, match="no warning detector"):
         WarningResponse()(None, [], lambda *a, **k: None, 0)
+
+
+# ------------------------------------------------------------------ the benchmark
+
+
+def test_bench_warning_quick(tmp_path):
+    from experiments.bench import warning
+
+    res = warning.main(["--quick", "--out", str(tmp_path), "--no-progress", "--steps", "100"])
+    saved = json.loads((tmp_path / "results.json").read_text())
+    for key in ("summary", "rows", "threshold", "calib_peak", "events_per_arm", "goal"):
+        assert key in saved["results"], key
+    assert res["calib_peak"] > 0  # 100 steps pass the 60-step warmup
+    assert res["threshold"] == float(f"{1.25 * res['calib_peak']:.3g}")  # margin 1.25
+    for name, s in res["summary"].items():
+        assert s["healthy_steps"] == 2 * 100, name
+
+
+def test_bench_event_rule():
+    from experiments.bench.warning import event_step
+
+    loss = np.full(60, 2.0) + 0.01 * np.sin(np.arange(60))
+    assert event_step(loss, 0) is None
+    loss[30] = 4.0  # one batch's outlier: not an event
+    assert event_step(loss, 0) is None
+    loss[40:43] = 2.6  # 0.6 nats above the median of the 20 before, for 3 of 5 steps
+    assert event_step(loss, 0) == 40 and event_step(loss, 41) is None
+    loss[50] = np.nan
+    assert event_step(loss, 41) == 50
+    loss[50], loss[58] = 2.0, 4.0  # an outlier two steps from the end: no full window
+    assert event_step(loss, 41) is None

@@ -6,10 +6,12 @@ experiments/results/lr_sensitivity), every run vmapped in one program per precis
 (``make_train_step(signals=Signals(b2=0.95))``, so the leading indicators are recorded):
 
 * ``healthy``: the best LR, 5 % warmup;
-* ``lr_{3,5,10}x``: 3, 5, 10 times the best LR, no warmup;
+* ``lr_<k>x``: k times the best LR, no warmup (10, 30, 100 by default; the issue's 3-10x
+  gave no divergence on this model: BUILD.md, "Divergence warning");
 * ``lr_bump``: the best LR, 5 % warmup, the LR multiplied by ``bump`` from mid-run;
-* ``fp16``: float16 compute without loss scaling, 3x the best LR, no warmup;
-* ``logit_growth``: no qk-norm (the reference model has none), 10x the best LR with warmup.
+* ``fp16``: float16 compute without loss scaling, ``fp16_lr`` times the best LR, no warmup;
+* ``logit_growth``: no qk-norm (the reference model has none), ``logit_lr`` times the best
+  LR with warmup.
 
 An *event* is the first step whose loss is non-finite or more than 0.5 nats above the
 median of the 20 losses before it. For each detector, offline on the recorded metrics, in
@@ -30,6 +32,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import pathlib
 
 import jax
 import jax.numpy as jnp
@@ -43,22 +46,27 @@ from stabljax.control.detect.warning import WarningDetector
 from stabljax.telemetry import Signals
 
 KEEP = ("loss", "grad_norm", "update_rms_ratio", "adam_rms", "max_attn_logit", "log_z")
-FAULTS = ("lr_3x", "lr_5x", "lr_10x", "lr_bump", "fp16", "logit_growth")
-RISE, BASE = 0.5, 20  # an event: loss > median of the BASE losses before + RISE nats
+FAULTS = ("lr_10x", "lr_30x", "lr_100x", "lr_bump", "fp16", "logit_growth")
+RISE, BASE, HOLD = 0.5, 20, 5  # an event: RISE nats above the median of BASE, for HOLD
 
 
 @dataclasses.dataclass(frozen=True)
 class Config(proxy.ModelSize):
-    """Model, steps, seeds and the warning's calibration."""
+    """Model, steps, seeds, fault strengths and the warning's calibration; ``cache``: an
+    ``.npz`` of the recorded metrics, written on the first run and read (no training) on
+    the next, to re-score."""
 
-    steps: int = 600
+    steps: int = 300
     best_lr: float = 1e-2
-    bump: float = 10.0
+    bump: float = 30.0
+    fp16_lr: float = 30.0
+    logit_lr: float = 30.0
     seeds: tuple[int, ...] = tuple(range(8))
-    healthy_seeds: tuple[int, ...] = tuple(range(16))
+    healthy_seeds: tuple[int, ...] = tuple(range(12))
     calib_seeds: tuple[int, ...] = tuple(range(100, 108))
     margin: float = 1.25
     faults: tuple[str, ...] = FAULTS
+    cache: str = ""
 
     @classmethod
     def quick(cls) -> Config:
@@ -75,9 +83,9 @@ def arm_runs(cfg: Config, arm: str, seeds) -> list[dict]:
     elif arm == "lr_bump":
         bump_at, bump = cfg.steps // 2, cfg.bump
     elif arm == "fp16":
-        lr, warm = 3 * cfg.best_lr, 0
+        lr, warm = cfg.fp16_lr * cfg.best_lr, 0
     elif arm == "logit_growth":
-        lr = 10 * cfg.best_lr
+        lr = cfg.logit_lr * cfg.best_lr
     elif arm != "healthy":
         raise ValueError(f"unknown arm {arm!r}; known: healthy, {', '.join(FAULTS)}")
     hp = {"learning_rate": lr, "warmup": warm, "bump_at": bump_at, "bump": bump}
@@ -146,14 +154,20 @@ def train(cfg: Config, runs: list[dict], precision: str, bar) -> dict[str, np.nd
 
 
 def event_step(loss: np.ndarray, start: int) -> int | None:
-    """The first step >= ``start`` whose loss is non-finite or > RISE above the median of
-    the BASE losses before it (at least 10 of them)."""
+    """The first step >= ``start`` (and >= 10) whose loss is non-finite, or more than RISE
+    above the median of the BASE losses before it while the median of it and the next
+    HOLD - 1 losses is too: a rise that lasts (one batch's outlier is not a divergence; the
+    byte-level corpus has many, the same in every arm of a seed)."""
     for t in range(max(start, 10), loss.size):
         if not math.isfinite(loss[t]):
             return t
+        if t + HOLD > loss.size:  # too near the end to tell a rise from one outlier
+            continue
         base = loss[max(0, t - BASE) : t]
-        base = base[np.isfinite(base)]
-        if base.size >= 10 and loss[t] - np.median(base) > RISE:
+        base = np.median(base[np.isfinite(base)]) if np.isfinite(base).sum() >= 10 else None
+        ahead = loss[t : t + HOLD]
+        ahead = np.median(np.where(np.isfinite(ahead), ahead, np.inf))
+        if base is not None and loss[t] - base > RISE and ahead - base > RISE:
             return t
     return None
 
@@ -251,7 +265,8 @@ def score(runs, metrics, factories) -> tuple[list[dict], dict]:
         for name, make in factories.items():
             got = detections(make, metrics, i)
             p = per.setdefault(
-                (name, r["arm"]), {"runs": 0, "steps": 0, "false": 0, "events": 0, "leads": []}
+                (name, r["arm"]),
+                {"runs": 0, "steps": 0, "false": 0, "events": 0, "leads": [], "warned": 0},
             )
             p["runs"] += 1
             if r["arm"] == "healthy":
@@ -260,6 +275,7 @@ def score(runs, metrics, factories) -> tuple[list[dict], dict]:
                 p["events"] += event is not None
                 continue
             p["false"] += sum(d < r["start"] for d in got)
+            p["warned"] += any(d >= r["start"] for d in got)
             if event is not None:
                 p["events"] += 1
                 warned = [d for d in got if r["start"] <= d <= event]
@@ -268,7 +284,8 @@ def score(runs, metrics, factories) -> tuple[list[dict], dict]:
     for (name, arm), p in per.items():
         leads = [x for x in p["leads"] if x is not None]
         row = {"detector": name, "arm": arm, "runs": p["runs"], "events": p["events"]}
-        row |= {"false warnings": p["false"], "recall": "", "median lead": "", "leads": ""}
+        row |= {"false warnings": p["false"], "runs warned": p["warned"]}
+        row |= {"recall": "", "median lead": "", "leads": ""}
         if arm != "healthy" and p["events"]:
             row["recall"] = len(leads) / p["events"]
             row["median lead"] = float(np.median(leads)) if leads else float("nan")
@@ -296,14 +313,22 @@ def run(cfg: Config, bar) -> dict:
     for arm in cfg.faults:
         groups["fp16-noscale" if arm == "fp16" else "fp32"] += arm_runs(cfg, arm, cfg.seeds)
     runs, metrics = [], {}
+    cached = pathlib.Path(cfg.cache) if cfg.cache else None
     for precision, rs in groups.items():
         if rs:
-            m = train(cfg, rs, precision, bar)
             runs += rs
-            metrics = {k: np.concatenate([metrics[k], m[k]]) if metrics else m[k] for k in KEEP}
+            if cached is None or not cached.exists():
+                m = train(cfg, rs, precision, bar)
+                metrics = {k: np.concatenate([metrics[k], m[k]]) if metrics else m[k] for k in KEEP}
+    if cached is not None and cached.exists():  # the metrics of an earlier run of this config
+        with np.load(cached, allow_pickle=False) as z:
+            metrics = {k: z[k] for k in KEEP}
+    elif cached is not None:
+        np.savez_compressed(cached, **metrics)
     cal = [i for i, r in enumerate(runs) if r["arm"] == "calib"]
     peak = max(float(cusum_maxima(metrics, i).max()) for i in cal)
-    threshold = float(f"{cfg.margin * peak:.3g}")
+    # No statistic rose (runs shorter than the warmup): the detector's own default.
+    threshold = float(f"{cfg.margin * peak:.3g}") if peak > 0 else WarningDetector().threshold
     keep = [i for i, r in enumerate(runs) if r["arm"] != "calib"]
     sub = {k: v[keep] for k, v in metrics.items()}
     rows, summary = score([runs[i] for i in keep], sub, detector_factories(threshold))
