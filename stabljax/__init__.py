@@ -26,9 +26,9 @@ from stabljax import init as init
 from stabljax import reference as reference
 from stabljax import telemetry as telemetry
 from stabljax.control.controller import RollbackController as RollbackController
+from stabljax.control.data.grain_iterators import GrainDatasetIterator as GrainDatasetIterator
+from stabljax.control.data.grain_iterators import GrainLoaderIterator as GrainLoaderIterator
 from stabljax.control.data.iterators import DataIterator as DataIterator
-from stabljax.control.data.iterators import GrainDatasetIterator as GrainDatasetIterator
-from stabljax.control.data.iterators import GrainLoaderIterator as GrainLoaderIterator
 from stabljax.control.data.iterators import IndexedBatches as IndexedBatches
 from stabljax.control.detect.detectors import SpikeDetector as SpikeDetector
 from stabljax.control.detect.drift import DivergenceDetector as DivergenceDetector

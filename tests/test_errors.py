@@ -13,7 +13,7 @@ import pytest
 from toy import batch_fn_factory, toy_problem
 
 from stabljax.control import IndexedBatches, RollbackController
-from stabljax.control.data.iterators import as_data_iterator
+from stabljax.control.data.grain_iterators import as_data_iterator
 from stabljax.control.detect.detectors import Detection
 from stabljax.control.errors import (
     CheckpointMismatch,

@@ -204,7 +204,7 @@ def _packing():
 
 
 def test_a_packing_grain_loader_warns_that_resume_is_not_exact_and_it_is_not():
-    from stabljax.control.data.iterators import GrainLoaderIterator
+    from stabljax.control.data.grain_iterators import GrainLoaderIterator
 
     docs = _docs()
     with pytest.warns(RuntimeWarning, match=r"PackAndBatchOperation.*will not be bit-exact"):
@@ -223,7 +223,7 @@ def test_a_packing_grain_loader_warns_that_resume_is_not_exact_and_it_is_not():
 
 
 def test_a_map_and_batch_grain_loader_resumes_exactly_without_that_warning():
-    from stabljax.control.data.iterators import GrainLoaderIterator
+    from stabljax.control.data.grain_iterators import GrainLoaderIterator
 
     docs = [{"t": np.full(4, i, np.int32)} for i in range(64)]
     ops = [grain.transforms.Batch(4)]

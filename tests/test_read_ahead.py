@@ -18,7 +18,8 @@ import pytest
 from toy import batch_fn_factory, toy_controller, toy_problem
 
 from stabljax.control import IndexedBatches
-from stabljax.control.data.iterators import GrainLoaderIterator, PlainIterator
+from stabljax.control.data.grain_iterators import GrainLoaderIterator
+from stabljax.control.data.iterators import PlainIterator
 from stabljax.control.diagnose.screen import can_read_ahead, can_screen, screen_ahead
 
 

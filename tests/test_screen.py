@@ -11,7 +11,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from stabljax.control.data.iterators import GrainDatasetIterator, IndexedBatches, PlainIterator
+from stabljax.control.data.grain_iterators import GrainDatasetIterator
+from stabljax.control.data.iterators import IndexedBatches, PlainIterator
 from stabljax.control.diagnose.screen import can_screen, screen_ahead
 
 BAD = range(10, 16)

@@ -284,7 +284,7 @@ def test_a_grain_position_is_read_without_touching_the_live_iterator(store, toy)
     """The store returns Grain's saved state; only DataIterator.restore applies it."""
     import grain
 
-    from stabljax.control.data.iterators import as_data_iterator
+    from stabljax.control.data.grain_iterators import as_data_iterator
 
     def make():
         return as_data_iterator(iter(grain.MapDataset.range(1000)))

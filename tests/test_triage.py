@@ -28,7 +28,7 @@ from stabljax.control import (
     TriageConfig,
     read_events,
 )
-from stabljax.control.data.iterators import GrainDatasetIterator
+from stabljax.control.data.grain_iterators import GrainDatasetIterator
 from stabljax.control.diagnose.triage import is_spike, robust_spikes, window_indices
 
 WORKER = pathlib.Path(__file__).with_name("triage_worker.py")

@@ -36,12 +36,12 @@ from stabljax.control.checkpoint.fsutil import UnsafePathError as UnsafePathErro
 from stabljax.control.checkpoint.integrity import CheckpointKeyError as CheckpointKeyError
 from stabljax.control.checkpoint.jsonio import MalformedJSONError as MalformedJSONError
 from stabljax.control.controller import RollbackController as RollbackController
+from stabljax.control.data.grain_iterators import GrainDatasetIterator as GrainDatasetIterator
+from stabljax.control.data.grain_iterators import GrainLoaderIterator as GrainLoaderIterator
+from stabljax.control.data.grain_iterators import as_data_iterator as as_data_iterator
 from stabljax.control.data.iterators import DataIterator as DataIterator
-from stabljax.control.data.iterators import GrainDatasetIterator as GrainDatasetIterator
-from stabljax.control.data.iterators import GrainLoaderIterator as GrainLoaderIterator
 from stabljax.control.data.iterators import IndexedBatches as IndexedBatches
 from stabljax.control.data.iterators import PlainIterator as PlainIterator
-from stabljax.control.data.iterators import as_data_iterator as as_data_iterator
 from stabljax.control.decide.policy import merge_ranges as merge_ranges
 from stabljax.control.decide.remedies import Remedy as Remedy
 from stabljax.control.decide.remedies import RollbackInfo as RollbackInfo

@@ -28,7 +28,8 @@ from stabljax.control.checkpoint.fsutil import RunFiles
 from stabljax.control.checkpoint.integrity import Seal, check_verify, jsonable, state_bytes
 from stabljax.control.checkpoint.saver import Saver
 from stabljax.control.checkpoint.store import CheckpointStore, is_primary, to_host
-from stabljax.control.data.iterators import DataIterator, as_data_iterator
+from stabljax.control.data.grain_iterators import as_data_iterator
+from stabljax.control.data.iterators import DataIterator
 from stabljax.control.decide import policy
 from stabljax.control.decide.policy import Ledger
 from stabljax.control.decide.remedies import RollbackInfo, check_remedy, describe, remedy_event
@@ -420,6 +421,7 @@ class RollbackController:
     def __exit__(self, exc_type, *exc) -> None:
         if exc_type is not None:
             self._loop.forget()  # the exception says it, not a second warning
+        self._loop.closing("closed", self._step, self._store.saved_at)
         self.close(quiet=exc_type is not None)
 
     def __del__(self) -> None:

@@ -116,7 +116,7 @@ def check_data(data: Any, screen_ahead: int, triage: Any) -> None:
     """Warns for ``screen_ahead`` on data read ahead (:func:`screen_warning`); raises
     ``ValueError`` for ``TriageConfig(narrow_skip=True)`` on data that cannot move back."""
     if (message := screen_warning(data, screen_ahead)) is not None:
-        warn(message)
+        warn(message, stacklevel=3)  # check_data < ctl.restore_or_init < the user
     if triage is not None and triage.narrow_skip and not data.can_rewind:
         raise ValueError(
             f"TriageConfig(narrow_skip=True) moves the data back to the restored "
@@ -163,14 +163,16 @@ class LoopGuard:
         """The first rollback of a run with no target warns (:func:`moved_back`)."""
         if self.target is None and not self._warned:
             self._warned = True
-            warn(moved_back(step, restored))
+            warn(moved_back(step, restored), stacklevel=4)  # < _process < ctl.step < the user
 
-    def closing(self, how: str, step: int | None, saved: int | None) -> None:
+    def closing(self, how: str, step: int | None, saved: int | None, stacklevel: int = 2) -> None:
         """Warns once if the final state was not saved (:func:`unfinished`); ``run`` saves
-        it on every way out, or raises."""
+        it on every way out, or raises. ``stacklevel`` counts from the line calling this, as
+        :func:`~stabljax.control.errors.warn` does: 2 (the default) is the caller of
+        ``ctl.close()`` or of ``__exit__``, the user's line."""
         if self.unfinished and not self.by_run:
             self.unfinished = False
-            warn(unfinished(how, step, saved))
+            warn(unfinished(how, step, saved), stacklevel=stacklevel + 1)
 
     def forget(self) -> None:
         """An exception ends the loop: it is the news, not a missing ``finish``."""

@@ -18,7 +18,7 @@ import jax
 import numpy as np
 import orbax.checkpoint as ocp
 
-from stabljax.control.data.iterators import GrainDatasetIterator, GrainLoaderIterator
+from stabljax.control.data.grain_iterators import GrainDatasetIterator, GrainLoaderIterator
 
 
 def device_snapshot(tree: Any) -> Any:
