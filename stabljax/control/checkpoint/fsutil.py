@@ -49,7 +49,6 @@ __all__ = [
     "atomic_write_json",
     "atomic_write_text",
     "is_remote",
-    "log_exists",
     "open_nofollow",
     "read_text",
     "refuse_symlinks",
@@ -294,14 +293,6 @@ def _read_remote(path: str) -> bytes:  # an object, or a log's parts joined (Par
         if not parts:
             raise FileNotFoundError(errno.ENOENT, "no such object", path) from None
         return b"".join(fs.cat_file(p) for p in parts)
-
-
-def log_exists(path: str | os.PathLike) -> bool:
-    """Whether a log exists at ``path``: a file (or symlink) or an object store's parts."""
-    if not is_remote(path):
-        return os.path.lexists(path)
-    fs, key = _fs(path)
-    return fs.exists(key) or bool(_parts(fs, key))
 
 
 class PartLog:
@@ -578,9 +569,18 @@ class RunFiles:
         fs, key = _fs(self.file(name))
         fs.pipe_file(key, json.dumps(obj, allow_nan=False).encode())
 
+    def refresh(self) -> None:
+        """Forgets cached listings (an object store's: other hosts write there too)."""
+        if self.remote:
+            _fs(self.path)[0].invalidate_cache()
+
     def exists(self, name: str, *, log: bool = False) -> bool:
-        """Whether the entry ``name`` exists (``log``: a log, :func:`log_exists`)."""
-        return log_exists(self.file(name)) if log else (self.path / name).exists()
+        """Whether the entry ``name`` exists; ``log``: as a file or symlink (which a reader
+        then refuses by name), or as an object store's parts (:class:`PartLog`)."""
+        if not self.remote:
+            return os.path.lexists(self.path / name) if log else (self.path / name).exists()
+        fs, key = _fs(self.file(name))
+        return fs.exists(key) or (log and bool(_parts(fs, key)))
 
     def move(self, name: str, to: str) -> None:
         """Moves the entry ``name`` to ``to`` (local: an atomic rename; object store: a

@@ -394,6 +394,7 @@ class CheckpointStore:
         ``_CHECKPOINT_METADATA`` marker) or that hold stabljax's ``meta`` item, and the
         save in flight. Another all-digit folder is not a step: it is never read, moved
         or deleted (:meth:`foreign`)."""
+        self.files.refresh()  # what another host wrote since (an object store's listings)
         return sorted(s for s in self.manager.all_steps() if self.holds(s))
 
     def holds(self, step: int) -> bool:
