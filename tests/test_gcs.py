@@ -182,7 +182,8 @@ def _launch_pod(tmp_path, run: str, name: str, *args: str) -> list[tuple[int, st
     root = str(pathlib.Path(__file__).parent.parent)
     env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=root)
     env["XLA_FLAGS"] = "--xla_force_host_platform_device_count=2"
-    procs = []
+    procs, logs = [], tmp_path / "logs"
+    logs.mkdir(parents=True, exist_ok=True)
     for i in range(2):
         host = tmp_path / f"host{i}"
         host.mkdir(parents=True, exist_ok=True)
@@ -194,19 +195,18 @@ def _launch_pod(tmp_path, run: str, name: str, *args: str) -> list[tuple[int, st
                 cwd=host,
                 env=env,
                 stdout=subprocess.DEVNULL,
-                stderr=subprocess.PIPE,
-                text=True,
+                stderr=open(logs / f"{name}{i}.err", "w"),  # noqa: SIM115 - the child's
             )
         )
     codes = []
-    for p in procs:
+    for i, p in enumerate(procs):
         try:
-            _, err = p.communicate(timeout=500)
+            p.wait(timeout=500)
         except subprocess.TimeoutExpired:
             for q in procs:
                 q.kill()
             raise
-        codes.append((p.returncode, err))
+        codes.append((p.returncode, (logs / f"{name}{i}.err").read_text()))
     return codes
 
 

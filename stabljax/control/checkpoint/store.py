@@ -537,10 +537,12 @@ class CheckpointStore:
         """Removes what a crash left: a half-written record, a trash sweep cut short; on an
         object store, a step folder of this run's items that Orbax never committed."""
         self.settle()
-        if is_primary() and self.files.remote:
-            for path in self.directory.iterdir():
+        if self.files.remote:
+            for path in self.directory.iterdir() if is_primary() else ():
                 if path.name.isdigit() and _half_written(path):
                     self.files.remove(path.name)
+            barrier("clean_leftovers")  # every host reads the steps after the removal,
+            self.files.refresh()  # and not from a stale listing
         elif is_primary():
             for tmp in self.directory.glob(f".{RECORD}.tmp-*"):
                 tmp.unlink(missing_ok=True)
