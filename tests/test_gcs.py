@@ -24,7 +24,7 @@ from helpers import host
 
 from stabljax.control import IndexedBatches, JsonlMetricsWriter, read_events
 from stabljax.control.checkpoint import fsutil
-from stabljax.report import load_run, render
+from stabljax.report import load_run, render, write_report
 
 
 def test_orbax_saves_and_restores_on_the_emulator(gcs_emulator):
@@ -82,8 +82,10 @@ def test_a_gs_run_trains_rolls_back_resumes_bit_exact_and_reads_back(
     report = load_run(run)
     assert report.ledger["skipped_ranges"] == [list(r) for r in ref_ctl.skipped_ranges]
     assert "rollback" in render(report)
+    assert str(write_report(run)) == f"{run}/report.html"  # python -m stabljax.report gs://...
     names = _objects(f"{BUCKET}/ctl-run")
     assert any(n.endswith("/stabljax-rollback.json") for n in names)
+    assert f"{BUCKET}/ctl-run/report.html" in names
     assert not any(n.endswith("stabljax.lock") for n in names)  # released by close()
     assert list(cwd.iterdir()) == []  # nothing on the local disk, no "gs:" folder
 

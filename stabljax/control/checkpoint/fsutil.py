@@ -562,12 +562,12 @@ class RunFiles:
                 f"{bucket!r}: {type(e).__name__}: {e}); pass a writable directory",
             ) from e
 
-    def write_json(self, name: str, obj: Any) -> None:
-        """Writes ``obj`` as strict JSON to ``name``, whole or not at all (one upload)."""
+    def write(self, name: str, data: bytes) -> None:
+        """Writes ``name`` whole or not at all (:func:`atomic_write_bytes`; one upload)."""
         if not self.remote:
-            return atomic_write_json(self.path / name, obj)
+            return atomic_write_bytes(self.path / name, data)
         fs, key = _fs(self.file(name))
-        fs.pipe_file(key, json.dumps(obj, allow_nan=False).encode())
+        fs.pipe_file(key, data)
 
     def refresh(self) -> None:
         """Forgets cached listings (an object store's: other hosts write there too)."""

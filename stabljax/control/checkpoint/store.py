@@ -22,6 +22,7 @@ from __future__ import annotations
 import concurrent.futures
 import errno
 import functools
+import json
 import os
 import pathlib
 import shutil
@@ -381,10 +382,10 @@ class CheckpointStore:
 
     def write_record(self, record: Mapping[str, Any]) -> None:
         """Writes the rollback record (:data:`RECORD`; the primary host, whole or not at
-        all: :meth:`RunFiles.write_json`) and waits until every process is past it, so no
+        all: :meth:`RunFiles.write`) and waits until every process is past it, so no
         process deletes before it is written."""
         if is_primary():
-            self.files.write_json(RECORD, dict(record))
+            self.files.write(RECORD, json.dumps(dict(record), allow_nan=False).encode())
         barrier(f"rollback_record_{record['rollbacks']}")
 
     # --------------------------------------------------------------------------- reads
