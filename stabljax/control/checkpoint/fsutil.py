@@ -24,6 +24,7 @@ disk (the functions above) or an object store (``gs://``: :class:`PartLog`,
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import fcntl
 import gc
@@ -272,7 +273,10 @@ def run_path(directory: str | os.PathLike) -> Any:
 def _fs(path: str | os.PathLike) -> tuple[Any, str]:  # (fsspec filesystem, key)
     import fsspec
 
-    return fsspec.core.url_to_fs(os.fspath(path))
+    path = os.fspath(path)
+    if path.startswith("gs://"):  # epath's (so Orbax's) instance: one listing cache
+        return fsspec.filesystem("gcs", finalize_on_close=True), path[len("gs://") :]
+    return fsspec.core.url_to_fs(path)
 
 
 def _parts(fs: Any, key: str) -> list[str]:
@@ -391,10 +395,9 @@ class DirectoryLock:
             return
 
     def _held_message(self, holder: str) -> str:
-        where = os.path.basename(os.fspath(self.path))
         msg = (
             f"checkpoint directory {self.directory!r} is already in use by another "
-            f"RollbackController (lock {where} held by {holder}); two jobs on one directory "
+            f"RollbackController (lock {os.path.basename(self.path)} held by {holder}); two jobs on one directory "
             "would race on saves and deletes. Stop the other job, close() the other "
             "controller, or use another directory."
         )
@@ -438,10 +441,8 @@ class DirectoryLock:
         return self._fd is not None or self._token is not None
 
     def __del__(self):  # a controller dropped without close() frees its directory
-        try:
+        with contextlib.suppress(Exception):  # at interpreter exit os/fcntl may be gone
             self.release()
-        except Exception:  # noqa: BLE001 - at interpreter exit os/fcntl may be gone already
-            pass
 
 
 def special_entries(directory: pathlib.Path) -> list[str]:
@@ -569,8 +570,7 @@ class RunFiles:
         fs, key = _fs(self.file(name))
         fs.pipe_file(key, data)
 
-    def refresh(self) -> None:
-        """Forgets cached listings (an object store's: other hosts write there too)."""
+    def refresh(self) -> None:  # forgets an object store's cached listings (others write)
         if self.remote:
             _fs(self.path)[0].invalidate_cache()
 
