@@ -10,12 +10,9 @@ import re
 import subprocess
 import sys
 
-import pytest
-
 ROOT = pathlib.Path(__file__).parent.parent
 
 
-@pytest.mark.slow
 def test_the_multihost_example_runs_two_processes_that_roll_back_together(tmp_path):
     env = dict(os.environ, PYTHONPATH=str(ROOT))
     cmd = [sys.executable, str(ROOT / "examples" / "multihost.py"), "--dir", str(tmp_path / "run")]
