@@ -11,6 +11,7 @@ avoids a 60 s gRPC bucket probe per bucket.
 
 from __future__ import annotations
 
+import atexit
 import os
 import pathlib
 import platform
@@ -88,6 +89,8 @@ class Emulator:
         return [f"{m[1]} {m[2]}" for m in _REQUEST.finditer(data.decode("utf-8", "replace"))]
 
     def stop(self) -> None:
+        if self._log.closed:
+            return
         if self.proc.poll() is None:
             self.proc.terminate()
             try:
@@ -104,6 +107,7 @@ def start(log_dir: pathlib.Path) -> Emulator:
     if exe is None:
         raise FileNotFoundError("no fake-gcs-server binary for this platform")
     emu = Emulator(exe, log_dir / "fake-gcs-server.log")
+    atexit.register(emu.stop)  # also when the session ends without its fixture's teardown
     os.environ.update(emu.env())
     import gcsfs
 

@@ -3,6 +3,7 @@ report, and the bucket requests a step makes."""
 
 from __future__ import annotations
 
+import json
 import os
 import pathlib
 import signal
@@ -11,6 +12,7 @@ import sys
 import textwrap
 
 import chex
+import gcs
 import gcsfs
 import numpy as np
 import orbax.checkpoint as ocp
@@ -22,7 +24,7 @@ from helpers import host
 
 from stabljax.control import IndexedBatches, JsonlMetricsWriter, read_events
 from stabljax.control.checkpoint import fsutil
-from stabljax.report import load_run, render
+from stabljax.report import load_run, render, write_report
 
 
 def test_orbax_saves_and_restores_on_the_emulator(gcs_emulator):
@@ -80,8 +82,10 @@ def test_a_gs_run_trains_rolls_back_resumes_bit_exact_and_reads_back(
     report = load_run(run)
     assert report.ledger["skipped_ranges"] == [list(r) for r in ref_ctl.skipped_ranges]
     assert "rollback" in render(report)
+    assert str(write_report(run)) == f"{run}/report.html"  # python -m stabljax.report gs://...
     names = _objects(f"{BUCKET}/ctl-run")
     assert any(n.endswith("/stabljax-rollback.json") for n in names)
+    assert f"{BUCKET}/ctl-run/report.html" in names
     assert not any(n.endswith("stabljax.lock") for n in names)  # released by close()
     assert list(cwd.iterdir()) == []  # nothing on the local disk, no "gs:" folder
 
@@ -166,3 +170,84 @@ def test_a_gs_path_is_never_taken_for_a_local_one():
     assert fsutil.is_remote("gs://b/r") and not fsutil.is_remote("gs:/b/r")
     assert str(fsutil.run_path("gs://b/r")) == "gs://b/r"
     assert fsutil.run_path("run") == pathlib.Path.cwd() / "run"
+
+
+# ------------------------------------------------------------ a pod with no shared disk
+
+WORKER = pathlib.Path(__file__).with_name("ctl_worker.py")
+
+
+def _launch_pod(tmp_path, run: str, name: str, *args: str) -> list[tuple[int, str]]:
+    """Both processes of ``ctl_worker.py --fsdp`` on the run directory ``run``, each with
+    its own local temp directory as cwd (no disk shared): ``[(returncode, stderr)]``."""
+    port = gcs._free_port()
+    root = str(pathlib.Path(__file__).parent.parent)
+    env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=root)
+    env["XLA_FLAGS"] = "--xla_force_host_platform_device_count=2"
+    procs, logs = [], tmp_path / "logs"
+    logs.mkdir(parents=True, exist_ok=True)
+    for i in range(2):
+        host = tmp_path / f"host{i}"
+        host.mkdir(parents=True, exist_ok=True)
+        cmd = [sys.executable, str(WORKER), "--fsdp", "--dir", run, "--out", f"{name}.npz"]
+        cmd += ["--steps", "60", "--bad", "35", "--process-id", str(i), "--port", str(port)]
+        procs.append(
+            subprocess.Popen(
+                [*cmd, *args],
+                cwd=host,
+                env=env,
+                stdout=subprocess.DEVNULL,
+                stderr=open(logs / f"{name}{i}.err", "w"),  # noqa: SIM115 - the child's
+            )
+        )
+    codes = []
+    for i, p in enumerate(procs):
+        try:
+            p.wait(timeout=500)
+        except subprocess.TimeoutExpired:
+            for q in procs:
+                q.kill()
+            raise
+        codes.append((p.returncode, (logs / f"{name}{i}.err").read_text()))
+    return codes
+
+
+def _ok(codes) -> None:
+    assert all(c == 0 for c, _ in codes), codes[0][1][-3000:] + codes[1][1][-3000:]
+
+
+@pytest.mark.slow
+def test_two_processes_share_a_gs_run_directory_and_no_disk(gcs_emulator, tmp_path):
+    """Params and Adam moments split over 2 processes x 2 devices, each process with its
+    own local directory; one gs:// run: the same decisions, a SIGKILL of both and a
+    SIGTERM of one, and the end is the uninterrupted run's, bit for bit."""
+    _ok(_launch_pod(tmp_path / "ref", f"gs://{BUCKET}/pod-ref", "r"))
+    run = f"gs://{BUCKET}/pod"
+    codes = _launch_pod(tmp_path, run, "k", "--kill-at-step", "25")
+    assert [c for c, _ in codes] == [-signal.SIGKILL] * 2, codes[0][1][-3000:]
+    fs = gcsfs.GCSFileSystem(token="anon", skip_instance_cache=True)
+    # The killed job's lock stays behind on the bucket; the operator takes it over.
+    assert "pid" in fs.cat_file(f"{BUCKET}/pod/stabljax.lock").decode()
+    fs.rm_file(f"{BUCKET}/pod/stabljax.lock")
+    codes = _launch_pod(tmp_path, run, "a", "--term-at", "30")  # SIGTERM to process 0
+    _ok(codes)
+    host = [tmp_path / f"host{i}" for i in (0, 1)]
+    stopped = [json.loads((h / "a.npz.preempted.json").read_text()) for h in host]
+    assert stopped[0] == stopped[1] and stopped[0]["saved"] and 30 < stopped[0]["step"] <= 32
+    _ok(_launch_pod(tmp_path, run, "e"))
+    for i in (0, 1):
+        ref = np.load(tmp_path / "ref" / f"host{i}" / "r.npz")
+        end = np.load(tmp_path / f"host{i}" / "e.npz")
+        for k in ("w", "b", "step"):
+            np.testing.assert_array_equal(end[k], ref[k])
+    ledger = json.loads((tmp_path / "host0" / "e.npz.json").read_text())
+    assert ledger == json.loads((tmp_path / "ref" / "host0" / "r.npz.json").read_text())
+    assert ledger["rollbacks"] == 1
+    # Process 0 alone wrote the controller's objects: each event once, and no lock of 1's.
+    kinds = [e.kind for e in read_events(f"{run}/events.jsonl")]
+    assert kinds.count("rollback") == 1 and kinds.count("preempted") == 1, kinds
+    assert not fs.exists(f"{BUCKET}/pod/stabljax.lock.1")
+    for i in (0, 1):  # each host's own directory holds only its outputs
+        assert sorted(p.name for p in (tmp_path / f"host{i}").iterdir()) == sorted(
+            ["a.npz.preempted.json", "e.npz", "e.npz.json"]
+        )

@@ -1,4 +1,4 @@
-"""The controller's life in an operator's world: one job per directory, preemption, the loop.
+"""The controller's life in an operator's world: the state it is handed, preemption, the loop.
 
 * :func:`check_state`: what the operator hands the controller (a state with a ``step``);
   the directory, its checks and its lock are

@@ -126,7 +126,7 @@ def load_run(directory: str | pathlib.Path, metrics: str | pathlib.Path | None =
     if not directory.is_dir():
         raise ValueError(f"directory {str(directory)!r} is not a directory")
     events_path = directory / "events.jsonl"
-    if not fsutil.log_exists(events_path):
+    if not fsutil.RunFiles(directory).exists("events.jsonl", log=True):
         raise ValueError(f"directory {str(directory)!r} has no events.jsonl (not a run?)")
     events, warnings = load_events(events_path)
     # A path the user named may be a symlink; the run directory's own file may not.

@@ -24,6 +24,7 @@ disk (the functions above) or an object store (``gs://``: :class:`PartLog`,
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import fcntl
 import gc
@@ -49,7 +50,6 @@ __all__ = [
     "atomic_write_json",
     "atomic_write_text",
     "is_remote",
-    "log_exists",
     "open_nofollow",
     "read_text",
     "refuse_symlinks",
@@ -273,7 +273,10 @@ def run_path(directory: str | os.PathLike) -> Any:
 def _fs(path: str | os.PathLike) -> tuple[Any, str]:  # (fsspec filesystem, key)
     import fsspec
 
-    return fsspec.core.url_to_fs(os.fspath(path))
+    path = os.fspath(path)
+    if path.startswith("gs://"):  # epath's (so Orbax's) instance: one listing cache
+        return fsspec.filesystem("gcs", finalize_on_close=True), path[len("gs://") :]
+    return fsspec.core.url_to_fs(path)
 
 
 def _parts(fs: Any, key: str) -> list[str]:
@@ -294,14 +297,6 @@ def _read_remote(path: str) -> bytes:  # an object, or a log's parts joined (Par
         if not parts:
             raise FileNotFoundError(errno.ENOENT, "no such object", path) from None
         return b"".join(fs.cat_file(p) for p in parts)
-
-
-def log_exists(path: str | os.PathLike) -> bool:
-    """Whether a log exists at ``path``: a file (or symlink) or an object store's parts."""
-    if not is_remote(path):
-        return os.path.lexists(path)
-    fs, key = _fs(path)
-    return fs.exists(key) or bool(_parts(fs, key))
 
 
 class PartLog:
@@ -400,10 +395,9 @@ class DirectoryLock:
             return
 
     def _held_message(self, holder: str) -> str:
-        where = os.path.basename(os.fspath(self.path))
         msg = (
             f"checkpoint directory {self.directory!r} is already in use by another "
-            f"RollbackController (lock {where} held by {holder}); two jobs on one directory "
+            f"RollbackController (lock {os.path.basename(self.path)} held by {holder}); two jobs on one directory "
             "would race on saves and deletes. Stop the other job, close() the other "
             "controller, or use another directory."
         )
@@ -447,10 +441,8 @@ class DirectoryLock:
         return self._fd is not None or self._token is not None
 
     def __del__(self):  # a controller dropped without close() frees its directory
-        try:
+        with contextlib.suppress(Exception):  # at interpreter exit os/fcntl may be gone
             self.release()
-        except Exception:  # noqa: BLE001 - at interpreter exit os/fcntl may be gone already
-            pass
 
 
 def special_entries(directory: pathlib.Path) -> list[str]:
@@ -571,16 +563,24 @@ class RunFiles:
                 f"{bucket!r}: {type(e).__name__}: {e}); pass a writable directory",
             ) from e
 
-    def write_json(self, name: str, obj: Any) -> None:
-        """Writes ``obj`` as strict JSON to ``name``, whole or not at all (one upload)."""
+    def write(self, name: str, data: bytes) -> None:
+        """Writes ``name`` whole or not at all (:func:`atomic_write_bytes`; one upload)."""
         if not self.remote:
-            return atomic_write_json(self.path / name, obj)
+            return atomic_write_bytes(self.path / name, data)
         fs, key = _fs(self.file(name))
-        fs.pipe_file(key, json.dumps(obj, allow_nan=False).encode())
+        fs.pipe_file(key, data)
+
+    def refresh(self) -> None:  # forgets an object store's cached listings (others write)
+        if self.remote:
+            _fs(self.path)[0].invalidate_cache()
 
     def exists(self, name: str, *, log: bool = False) -> bool:
-        """Whether the entry ``name`` exists (``log``: a log, :func:`log_exists`)."""
-        return log_exists(self.file(name)) if log else (self.path / name).exists()
+        """Whether the entry ``name`` exists; ``log``: as a file or symlink (which a reader
+        then refuses by name), or as an object store's parts (:class:`PartLog`)."""
+        if not self.remote:
+            return os.path.lexists(self.path / name) if log else (self.path / name).exists()
+        fs, key = _fs(self.file(name))
+        return fs.exists(key) or (log and bool(_parts(fs, key)))
 
     def move(self, name: str, to: str) -> None:
         """Moves the entry ``name`` to ``to`` (local: an atomic rename; object store: a

@@ -22,6 +22,7 @@ from __future__ import annotations
 import concurrent.futures
 import errno
 import functools
+import json
 import os
 import pathlib
 import shutil
@@ -381,10 +382,10 @@ class CheckpointStore:
 
     def write_record(self, record: Mapping[str, Any]) -> None:
         """Writes the rollback record (:data:`RECORD`; the primary host, whole or not at
-        all: :meth:`RunFiles.write_json`) and waits until every process is past it, so no
+        all: :meth:`RunFiles.write`) and waits until every process is past it, so no
         process deletes before it is written."""
         if is_primary():
-            self.files.write_json(RECORD, dict(record))
+            self.files.write(RECORD, json.dumps(dict(record), allow_nan=False).encode())
         barrier(f"rollback_record_{record['rollbacks']}")
 
     # --------------------------------------------------------------------------- reads
@@ -394,6 +395,7 @@ class CheckpointStore:
         ``_CHECKPOINT_METADATA`` marker) or that hold stabljax's ``meta`` item, and the
         save in flight. Another all-digit folder is not a step: it is never read, moved
         or deleted (:meth:`foreign`)."""
+        self.files.refresh()  # what another host wrote since (an object store's listings)
         return sorted(s for s in self.manager.all_steps() if self.holds(s))
 
     def holds(self, step: int) -> bool:
@@ -537,10 +539,12 @@ class CheckpointStore:
         """Removes what a crash left: a half-written record, a trash sweep cut short; on an
         object store, a step folder of this run's items that Orbax never committed."""
         self.settle()
-        if is_primary() and self.files.remote:
-            for path in self.directory.iterdir():
+        if self.files.remote:
+            for path in self.directory.iterdir() if is_primary() else ():
                 if path.name.isdigit() and _half_written(path):
                     self.files.remove(path.name)
+            barrier("clean_leftovers")  # every host reads the steps after the removal,
+            self.files.refresh()  # and not from a stale listing
         elif is_primary():
             for tmp in self.directory.glob(f".{RECORD}.tmp-*"):
                 tmp.unlink(missing_ok=True)
