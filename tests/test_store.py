@@ -26,15 +26,11 @@ from stabljax.control.checkpoint.integrity import (
     meta_digest,
 )
 from stabljax.control.checkpoint.items import data_item
-from stabljax.control.checkpoint.store import (
-    CORRUPT,
-    CheckpointStore,
-    host_scalars,
-    try_everywhere,
-)
+from stabljax.control.checkpoint.store import CORRUPT, CheckpointStore, try_everywhere
 from stabljax.control.data.iterators import IndexedBatches
 from stabljax.control.decide.policy import Ledger
 from stabljax.control.errors import CheckpointMismatch
+from stabljax.control.hosts import host_scalars
 
 # ------------------------------------------------------------------------ fingerprint
 

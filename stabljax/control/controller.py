@@ -27,7 +27,7 @@ from stabljax.control import loop, resume
 from stabljax.control.checkpoint.fsutil import RunFiles
 from stabljax.control.checkpoint.integrity import Seal, check_verify, jsonable, state_bytes
 from stabljax.control.checkpoint.saver import Saver
-from stabljax.control.checkpoint.store import CheckpointStore, is_primary, to_host
+from stabljax.control.checkpoint.store import CheckpointStore
 from stabljax.control.data.grain_iterators import as_data_iterator
 from stabljax.control.data.iterators import DataIterator
 from stabljax.control.decide import policy
@@ -40,6 +40,7 @@ from stabljax.control.diagnose.screen import SCREENED, extend_over_window
 from stabljax.control.diagnose.triage import TriageConfig, as_config, for_rollback
 from stabljax.control.errors import DataExhausted, Preempted
 from stabljax.control.events import Event, EventLog
+from stabljax.control.hosts import is_primary, to_host
 from stabljax.control.session import (
     PreemptionWatch,
     Progress,

@@ -21,7 +21,7 @@ import hmac
 import json
 import os
 import pathlib
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import jax
@@ -30,6 +30,7 @@ import numpy as np
 from jax import lax
 
 from stabljax.control.errors import CheckpointMismatch
+from stabljax.control.hosts import to_host
 
 META_VERSION = 1
 
@@ -212,23 +213,20 @@ def check_verify(verify: Any) -> bool | str:
     raise ValueError(f"verify must be True (fingerprint), False or 'digest', got {verify!r}")
 
 
-def _host_bytes(x: Any, host: Callable[[Any], np.ndarray]) -> tuple[str, np.ndarray]:
+def _host_bytes(x: Any) -> tuple[str, np.ndarray]:
     if isinstance(x, jax.Array) and jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
         x = jax.random.key_data(x)
-    a = np.ascontiguousarray(host(x))
+    a = np.ascontiguousarray(to_host(x))
     return f"{a.dtype.str}{list(a.shape)}", a.reshape(-1).view(np.uint8)
 
 
-def leaf_digests(
-    tree: Any, key: bytes | None = None, host: Callable[[Any], np.ndarray] = np.asarray
-) -> list[list[str]]:
+def leaf_digests(tree: Any, key: bytes | None = None) -> list[list[str]]:
     """``[path, hex digest]`` of each leaf of ``tree``: SHA-256 of its dtype, shape and host
     bytes (HMAC-SHA256 with ``key``).
 
     Args:
       tree: the state (any pytree of arrays; ``None`` leaves are skipped).
       key: the HMAC key, or ``None`` for a plain SHA-256.
-      host: reads one leaf to a numpy array (the store passes its multi-host reader).
 
     Example:
       >>> import hashlib, numpy as np
@@ -245,7 +243,7 @@ def leaf_digests(
 
     def one(x: Any) -> str:
         h = _hasher(key)
-        spec, raw = _host_bytes(x, host)
+        spec, raw = _host_bytes(x)
         h.update(spec.encode())
         h.update(raw)  # hashlib releases the GIL here, so leaves hash in parallel
         return h.hexdigest()
@@ -297,12 +295,11 @@ class Seal:
         meta: dict[str, Any],
         state: Any,
         fingerprint_words: list[int] | None,
-        host: Callable[[Any], np.ndarray] = np.asarray,
     ) -> None:
         """Adds the fingerprint, the leaf digests, the key id and the meta digest to ``meta``."""
         meta["fingerprint"] = fingerprint_words
         if self.mode == "digest":
-            meta["digests"] = leaf_digests(state, self.key, host)
+            meta["digests"] = leaf_digests(state, self.key)
         if self.key is not None:
             meta["key_id"] = self.key_id()
         if self.mode or self.key is not None:
@@ -338,18 +335,16 @@ class Seal:
             )
         return meta
 
-    def check_state(
-        self, step: int, meta: Mapping[str, Any], state: Any, host: Callable[[Any], np.ndarray]
-    ) -> None:
+    def check_state(self, step: int, meta: Mapping[str, Any], state: Any) -> None:
         """Raises ``ValueError`` naming the leaf if ``state`` is not what was saved."""
         if meta.get("fingerprint") is not None:
-            got = [int(v) for v in host(fingerprint(state))]
+            got = [int(v) for v in to_host(fingerprint(state))]
             if got != meta["fingerprint"]:
                 raise ValueError(f"checkpoint {step}: state fingerprint mismatch (corrupted data)")
         saved = meta.get("digests")
         if saved is None:
             return
-        got = leaf_digests(state, self.key if "key_id" in meta else None, host)
+        got = leaf_digests(state, self.key if "key_id" in meta else None)
         listed = isinstance(saved, list) and all(
             isinstance(d, list) and len(d) == 2 and all(isinstance(v, str) for v in d)
             for d in saved

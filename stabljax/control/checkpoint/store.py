@@ -33,9 +33,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import jax
-import numpy as np
 import orbax.checkpoint as ocp
-from jax.experimental import multihost_utils
 
 from stabljax.control.checkpoint.fsutil import RunFiles
 from stabljax.control.checkpoint.integrity import CheckpointKeyError, Seal
@@ -44,35 +42,10 @@ from stabljax.control.checkpoint.jsonio import read_meta
 from stabljax.control.checkpoint.retention import Retention
 from stabljax.control.decide import policy
 from stabljax.control.errors import CheckpointSaveError, warn
+from stabljax.control.hosts import all_agree, barrier, is_primary, to_host
 
 # -------------------------------------------------------------------------------------------- host
 # Host-side helpers of the controller: reading device values, and agreeing across hosts.
-
-
-def to_host(x: Any) -> np.ndarray:
-    """A numpy copy of ``x``; on several hosts the same value on every process."""
-    if isinstance(x, jax.Array):
-        if x.is_fully_addressable:
-            return np.asarray(x)
-        if x.is_fully_replicated:
-            return np.asarray(x.addressable_data(0))
-        return np.asarray(multihost_utils.process_allgather(x, tiled=True))
-    return np.asarray(x)
-
-
-def host_scalars(metrics: Mapping[str, Any], keys: frozenset[str] | None) -> dict[str, Any]:
-    """Host Python scalars for the 0-d entries of ``metrics`` (all, or those in ``keys``)."""
-    wanted = {
-        k: v
-        for k, v in metrics.items()
-        if (keys is None or k in keys)
-        and not (isinstance(v, Mapping) or v is None)
-        and np.shape(v) == ()
-    }
-    for v in wanted.values():  # start every copy before waiting on the first
-        if isinstance(v, jax.Array) and v.is_fully_addressable:
-            v.copy_to_host_async()
-    return {k: to_host(v).item() for k, v in wanted.items()}
 
 
 def try_everywhere(fn: Callable[[], Any], log: Callable[..., None], step: int | None) -> Any:
@@ -92,23 +65,6 @@ def try_everywhere(fn: Callable[[], Any], log: Callable[..., None], step: int | 
             log("corrupt_checkpoint", step, reason=reason)
         return None
     return result
-
-
-def is_primary() -> bool:
-    return jax.process_index() == 0
-
-
-def barrier(name: str) -> None:
-    if jax.process_count() > 1:
-        multihost_utils.sync_global_devices(f"stabljax:{name}")
-
-
-def all_agree(ok: bool) -> bool:
-    """True when ``ok`` holds on every process (the same answer everywhere)."""
-    if jax.process_count() == 1:
-        return ok
-    flags = multihost_utils.process_allgather(np.asarray(ok, np.int32))
-    return bool(np.all(flags))
 
 
 # ------------------------------------------------------------------------------------- checkpoints
@@ -341,7 +297,7 @@ class CheckpointStore:
         meta["ckpt_losses"] = {str(k): v for k, v in self.scores.items()}
         meta["resume_only"] = sorted(self.resume_only)
         words = None if state_fingerprint is None else [int(v) for v in to_host(state_fingerprint)]
-        self.seal.seal(meta, state, words, to_host)  # the leaf digests read the state here
+        self.seal.seal(meta, state, words)  # the leaf digests read the state here
         args = ocp.args.Composite(
             state=ocp.args.StandardSave(state),
             data=data_item,
@@ -463,7 +419,7 @@ class CheckpointStore:
         if int(meta["step"]) != step or int(to_host(state.step)) != step:
             raise ValueError(f"checkpoint {step} holds step {meta['step']} / {state.step}")
         if verify:
-            self.seal.check_state(step, meta, state, to_host)
+            self.seal.check_state(step, meta, state)
         if data is None:
             return state, meta, None
         saved, index = out["data"], int(meta["data_index"])

@@ -24,11 +24,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from stabljax.control.checkpoint.store import host_scalars, to_host
 from stabljax.control.decide import policy
 from stabljax.control.decide.policy import losses_before
 from stabljax.control.detect.detectors import Detection, Detector
 from stabljax.control.errors import warn
+from stabljax.control.hosts import host_scalars, to_host
 from stabljax.metrics import LOSS, SKIPPED, SPIKE_REBASELINES
 
 EMA_DECAY = 0.98

@@ -38,9 +38,9 @@ from typing import Any
 import jax
 
 from stabljax.control.checkpoint.items import device_snapshot
-from stabljax.control.checkpoint.store import all_agree, to_host
 from stabljax.control.decide.policy import first_allowed
 from stabljax.control.diagnose.triage import is_spike
+from stabljax.control.hosts import all_agree, to_host
 from stabljax.metrics import LOSS
 
 SCREENED = (  # the skip event's keys

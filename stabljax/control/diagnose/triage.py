@@ -53,9 +53,10 @@ import jax
 import numpy as np
 
 from stabljax.control.checkpoint.items import device_snapshot
-from stabljax.control.checkpoint.store import CheckpointStore, all_agree, to_host
+from stabljax.control.checkpoint.store import CheckpointStore
 from stabljax.control.decide.policy import first_allowed
 from stabljax.control.diagnose import attribution
+from stabljax.control.hosts import all_agree, to_host
 from stabljax.metrics import GRAD_NORM, LOSS
 
 VERDICTS = ("nondeterministic", "data", "state", "inconclusive")
