@@ -15,21 +15,16 @@ an index) and the event log.
 * :class:`RollbackInfo`, :func:`lower_lr`, :func:`scale_hyperparam`,
   :func:`reset_second_moment`, :func:`by_verdict`, :func:`chain_remedies` — remedies: what a
   rollback changes in the restored state (``RollbackController(remedy=...)``).
+* :class:`WarningDetector`, :class:`WarningResponse` — a warning from leading indicators
+  and the reversible LR cut it can drive (``RollbackController(warning_response=...)``).
 
-The modules, each importing only those below it (no circle, ``tests/test_architecture.py``):
-:mod:`~stabljax.control.errors`; :mod:`~stabljax.control.decide.policy` (the pure decisions: the
-ledger, whether and how to roll back); :mod:`~stabljax.control.data.iterators`
-(iterators; ``DataIterator.restore`` sets the position); :mod:`~stabljax.control.detect.trends`,
-:mod:`~stabljax.control.detect.detectors` and :mod:`~stabljax.control.detect.drift`;
-:mod:`~stabljax.control.events`; :mod:`~stabljax.control.checkpoint.integrity` (the meta item's
-checks); :mod:`~stabljax.control.checkpoint.items` (device copies, the data item);
-:mod:`~stabljax.control.checkpoint.retention` (which checkpoints Orbax keeps);
-:mod:`~stabljax.control.checkpoint.store` (Orbax: the one place checkpoints are written);
-:mod:`~stabljax.control.checkpoint.saver`; :mod:`~stabljax.control.detect.monitor`;
-:mod:`~stabljax.control.decide.remedies`; :mod:`~stabljax.control.diagnose.attribution` and
-:mod:`~stabljax.control.diagnose.triage`; :mod:`~stabljax.control.resume` (resume);
-:mod:`~stabljax.control.session` (lock, preemption, the run loop); and
-:mod:`~stabljax.control.controller`, which carries a rollback out.
+The sub-packages, by concept (BUILD.md's Layout says what each module owns):
+:mod:`~stabljax.control.detect` (the detectors and the monitor running them),
+:mod:`~stabljax.control.checkpoint` (the Orbax store and the run directory's files),
+:mod:`~stabljax.control.data` (iterators and Grain's state), :mod:`~stabljax.control.decide`
+(the pure policy and the remedies), :mod:`~stabljax.control.diagnose` (triage, screening);
+beside them the controller, the session and loop contract, resume, hosts, events and errors.
+No import circle (``tests/test_architecture.py``).
 """
 
 from stabljax.control.checkpoint.fsutil import UnsafePathError as UnsafePathError
@@ -45,6 +40,7 @@ from stabljax.control.data.iterators import PlainIterator as PlainIterator
 from stabljax.control.decide.policy import merge_ranges as merge_ranges
 from stabljax.control.decide.remedies import Remedy as Remedy
 from stabljax.control.decide.remedies import RollbackInfo as RollbackInfo
+from stabljax.control.decide.remedies import WarningResponse as WarningResponse
 from stabljax.control.decide.remedies import by_verdict as by_verdict
 from stabljax.control.decide.remedies import chain_remedies as chain_remedies
 from stabljax.control.decide.remedies import lower_lr as lower_lr
@@ -58,6 +54,7 @@ from stabljax.control.detect.drift import SlowDivergenceDetector as SlowDivergen
 from stabljax.control.detect.drift import default_detectors as default_detectors
 from stabljax.control.detect.trends import mann_kendall as mann_kendall
 from stabljax.control.detect.trends import sen_slope as sen_slope
+from stabljax.control.detect.warning import WarningDetector as WarningDetector
 from stabljax.control.diagnose.triage import TriageConfig as TriageConfig
 from stabljax.control.errors import CheckpointMismatch as CheckpointMismatch
 from stabljax.control.errors import CheckpointSaveError as CheckpointSaveError
@@ -107,6 +104,8 @@ __all__ = (
     "TrainingDiverged",
     "TriageConfig",
     "UnsafePathError",
+    "WarningDetector",
+    "WarningResponse",
     "as_data_iterator",
     "by_verdict",
     "chain_remedies",
