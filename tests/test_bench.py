@@ -75,7 +75,7 @@ def test_quick_run_writes_results(name, tmp_path):
     returned = mod.main(["--quick", "--out", str(tmp_path), "--no-progress"])
 
     payload = json.loads((tmp_path / f"{name}.json").read_text())
-    assert set(payload) == {"command", "config", "environment", "results", "wall_s"}
+    assert set(payload) == {"command", "config", "environment", "library", "results", "wall_s"}
     assert payload["command"].startswith(f"python -m experiments.bench.{name} --quick")
     results = payload["results"]
     for key in BENCHES[name]:

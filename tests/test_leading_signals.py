@@ -10,7 +10,7 @@ import optax
 import pytest
 
 from stabljax import metrics
-from stabljax.optim.guards import skip_nonfinite
+from stabljax.optim.guards.skips import skip_nonfinite
 from stabljax.step import TrainState, lm_loss, make_train_step
 from stabljax.telemetry import Signals, leading_signals, path_str
 

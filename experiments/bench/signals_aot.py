@@ -108,7 +108,7 @@ def run(cfg: Config) -> tuple[list[dict], dict]:
 
 
 def main(argv=None) -> dict:
-    ex = cli.start(Config, argv, __doc__, name="bench.signals_aot", folder="warning")
+    ex = cli.start(Config, argv, __doc__, name="bench.signals_aot", folder="bench/warning")
     rows, r = run(ex.cfg)
     title = f"Leading-indicator signals, XLA:TPU AOT for {ex.cfg.topology}"
     return ex.report(rows, r, targets=TARGETS, title=title, stem="signals_aot")

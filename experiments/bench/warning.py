@@ -340,7 +340,7 @@ def run(cfg: Config, bar) -> dict:
 
 
 def main(argv=None) -> dict:
-    ex = cli.start(Config, argv, __doc__, name="bench.warning", folder="warning")
+    ex = cli.start(Config, argv, __doc__, name="bench.warning", folder="bench/warning")
     cfg = ex.cfg
     total = cfg.steps * (
         len(cfg.calib_seeds) + len(cfg.healthy_seeds) + len(cfg.seeds) * len(cfg.faults)
