@@ -35,11 +35,11 @@ from stabljax.control.decide.policy import Ledger
 from stabljax.control.decide.remedies import RollbackInfo, check_remedy, describe, remedy_event
 from stabljax.control.detect.detectors import Detection, Detector
 from stabljax.control.detect.drift import default_detectors
-from stabljax.control.detect.monitor import EMA_DECAY, Monitor
+from stabljax.control.detect.monitor import Monitor
 from stabljax.control.diagnose.screen import SCREENED, extend_over_window
 from stabljax.control.diagnose.triage import TriageConfig, as_config, for_rollback
 from stabljax.control.errors import DataExhausted, Preempted
-from stabljax.control.events import Event, EventLog
+from stabljax.control.events import Event, EventLog, rollback_events
 from stabljax.control.hosts import is_primary, to_host
 from stabljax.control.session import (
     PreemptionWatch,
@@ -113,6 +113,11 @@ class RollbackController:
       screen_step: the train step to screen with in a hand-written loop (under
         :meth:`run`, the one given to it).
       warning_response: ``f(state, detectors, log, step) -> state`` each step: ``WarningResponse``.
+      fast_every: a fast tier: every ``fast_every`` steps a healthy state, with what its
+        checkpoint would hold, is copied to host RAM (the newest ``keep``), beside the saves
+        to ``directory``. Rollback targets both by the same rule; a fast one reads nothing
+        from ``directory``. A restart resumes from ``directory``. ``None`` (the default): none;
+        one process only (``ValueError``).
 
     Attributes:
       directory, events (the :class:`~stabljax.control.events.EventLog`), detectors, and
@@ -163,15 +168,17 @@ class RollbackController:
         screen_ahead: int = 0,
         screen_step: Callable[[Any, Any], tuple[Any, Mapping[str, Any]]] | None = None,
         warning_response: Callable[..., Any] | None = None,
+        fast_every: int | None = None,
     ):
         sizes = dict(save_every=save_every, keep=keep, rollback_margin=rollback_margin)
-        more = dict(extra_skip=extra_skip, max_rollbacks=max_rollbacks)
+        more = dict(extra_skip=extra_skip, max_rollbacks=max_rollbacks, fast_every=fast_every)
         policy.check_config(
             **sizes, **more, background_save=background_save, processes=jax.process_count()
         )
         self.save_every, self.keep = int(save_every), int(keep)
         self.rollback_margin, self.extra_skip = int(rollback_margin), int(extra_skip)
         self.max_rollbacks = None if max_rollbacks is None else int(max_rollbacks)
+        self.fast_every = None if fast_every is None else int(fast_every)
         self.verify = check_verify(verify)
         self.async_save, self.background_save = bool(async_save), bool(background_save)
         self.data_config = jsonable(data_config)
@@ -211,6 +218,7 @@ class RollbackController:
             self._lock.release()
             raise
         kw = dict(keep=self.keep, verify=self.verify, background=self.background_save)
+        kw |= dict(fast_every=self.fast_every)
         self._saver = Saver(self._store, self._monitor, self._log, **kw)
         self._closed = False
         close_at_exit(self)
@@ -335,8 +343,8 @@ class RollbackController:
                 self._loop.forget()
             self._log("preempted", self._step, signal=self._watch.signum, saved=saved)
             raise Preempted(self._step, self._watch.signum, saved, state)
-        if due or self._store.deferred is not None:
-            state = self._flush_and_save(state)
+        if due or self._store.deferred is not None or self._saver.fast.due(self._step):
+            state = self._flush_and_save(state, persist=due or self._store.deferred is not None)
         return state, data
 
     def finish(self, state: Any, data: Any) -> tuple[Any, Any]:
@@ -465,17 +473,20 @@ class RollbackController:
         self._loop.after_rollback(before, self._step)
         return restored
 
-    def _flush_and_save(self, state: Any, *, sync: bool = False, off_grid: bool = False) -> Any:
+    def _flush_and_save(
+        self, state: Any, *, sync: bool = False, off_grid: bool = False, persist: bool = True
+    ) -> Any:
         """Reads the pending metrics, then saves unless they rolled back.
 
         ``off_grid``: a preemption between save steps; the metrics are read early and the
-        checkpoint is a resume point only, never a rollback target.
+        checkpoint is a resume point only, never a rollback target. ``persist=False``: only
+        the fast tier's copy is due.
         """
         if self._pending is not None:
             pending, self._pending = self._pending, None
             if (restored := self._process(*pending, early=off_grid)) is not None:
                 return restored
-        self._save(state, sync=sync, resume_only=off_grid)
+        self._save(state, sync=sync, resume_only=off_grid, persist=persist)
         if sync:
             self._store.settle()
             self._store.retain()
@@ -484,8 +495,8 @@ class RollbackController:
     def _data_config(self) -> Any:
         return jsonable(self.data_config or getattr(self._data, "config", None))
 
-    def _save(self, state: Any, *, sync: bool = False, resume_only: bool = False) -> None:
-        kw = dict(sync=sync, resume_only=resume_only)
+    def _save(self, state: Any, *, sync: bool = False, resume_only: bool = False, **kw) -> None:
+        kw |= dict(sync=sync, resume_only=resume_only)  # and persist (False: fast tier only)
         self._saver.maybe_save(self._step, state, self._ledger, self._data_config(), **kw)
 
     def _rollback(self, triggers: Sequence[Detection], fed_end: int) -> Any:
@@ -494,7 +505,7 @@ class RollbackController:
         Restore the target (:func:`~stabljax.control.decide.policy.restore_order`; an unreadable
         one is set aside and the next tried), run the hooks on the restored state (triage,
         then the remedy), plan (:func:`~stabljax.control.decide.policy.plan_rollback`), write the
-        crash record, and only then delete the checkpoints newer than the target; then
+        crash record, and only then delete the states (both tiers) newer than the target; then
         log the events, take the checkpoint's trajectory and set the data position.
         A crash before the record leaves nothing that resume reads; one after it is
         finished on restart.
@@ -503,10 +514,10 @@ class RollbackController:
           triggers: the detections that roll back.
           fed_end: one past the last data index fed before the rollback.
         """
-        store, monitor = self._store, self._monitor
+        store, monitor, fast = self._store, self._monitor, self._saver.fast
         store.settle()
         store.retain()
-        steps, onsets = store.steps(), monitor.active_onsets()
+        steps, onsets = sorted({*store.steps(), *fast.copies}), monitor.active_onsets()
         onset = policy.onset_of(triggers, onsets)
         detected = max(d.step for d in triggers)
         to_best = monitor.rolls_back_to_best and all(d.action == "rollback_best" for d in triggers)
@@ -515,7 +526,7 @@ class RollbackController:
         order, margin_met = policy.restore_order(
             steps, onset=onset, margin=self.rollback_margin, best=best, exclude=store.resume_only
         )
-        found = store.first_restorable(order, self._abstract, verify=self.verify)
+        found = store.first_restorable(order, self._abstract, verify=self.verify, fast=fast.copies)
         if found is None:
             raise RuntimeError(
                 f"rollback at step {detected}: no checkpoint in {store.directory} could be "
@@ -533,7 +544,12 @@ class RollbackController:
         state, plan = self._remedy_hook(state, plan, triggers)
         store.write_record(plan.record(time.time()))
         store.delete_newer_than(target)  # only now: a crash before this is finished on restart
-        self._log_rollback(plan, losses, report, fed_end)
+        if fast.copies:
+            fast.drop_newer_than(target)
+        kw = dict(steps_back=self._step - target, target_steps=self._loop.target)
+        kw |= dict(fed_end=fed_end, screened=SCREENED, triage=report)
+        for event in rollback_events(plan, losses=losses, **kw):  # rollback, skip, ...
+            self.events.append(event)
         # The checkpoint's trajectory (detectors, EMA) comes back; the run ledger moves on,
         # and the losses of the abandoned branch leave the history shown in events.
         monitor.load(meta)
@@ -560,8 +576,7 @@ class RollbackController:
         if not self.screen_ahead or plan.narrowed or step_fn is None:
             return plan
         rule = self.triage or TriageConfig()
-        level = float(ema[0]) / (1 - EMA_DECAY ** int(ema[1])) if int(ema[1]) else None
-        args = (plan, step_fn, state, self._data, losses, rule, self.screen_ahead, level)
+        args = (plan, step_fn, state, self._data, losses, rule, self.screen_ahead, ema)
         return extend_over_window(*args)
 
     def _remedy_hook(self, state: Any, plan: policy.RollbackPlan, triggers: Sequence[Detection]):
@@ -574,30 +589,6 @@ class RollbackController:
         info = RollbackInfo(plan.target, plan.onset, plan.ledger.rollbacks, skip, **kw)
         state = self.remedy(state, info)
         return state, plan.with_remedy(describe(self.remedy, info), info.to_json())
-
-    def _log_rollback(self, plan: policy.RollbackPlan, losses: Any, report: Any, fed: int) -> None:
-        """Logs the events (``self._step`` is still the step rolled back from)."""
-        entry, skip, at = plan.entry, plan.skip, plan.detected
-        self._log(
-            "rollback",
-            at,
-            onset=plan.onset,
-            restored_step=plan.target,
-            margin_met=plan.margin_met,
-            reason=entry["reason"],
-            losses=losses,
-            rollbacks=plan.ledger.rollbacks,
-            steps_back=self._step - plan.target,
-            target_steps=self._loop.target,
-        )
-        screened = {k: entry[k] for k in SCREENED if k in entry} | {"fed_end": fed}
-        self._log(
-            "skip", at, range=entry["range"], length=skip.length, doubled=skip.doubled, **screened
-        )
-        if report is not None:
-            self._log("triage", at, narrowed=plan.narrowed, **report)
-        if "remedy" in entry:
-            self._log("remedy", at, **remedy_event(entry, reapplied=False))
 
     def _place(self, index: int, state: Any, *, data_state: Any = None) -> None:
         """Sets the data position after a restore (the ledger's ranges); running out is

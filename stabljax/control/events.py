@@ -40,6 +40,7 @@ from typing import Any, Literal, get_args
 import numpy as np
 
 from stabljax.control.checkpoint import fsutil, jsonio
+from stabljax.control.decide.remedies import remedy_event
 
 # ------------------------------------------------------------------------------------------ events
 # Typed event records and a crash-safe ``events.jsonl`` log.
@@ -220,6 +221,42 @@ class Event:
         """Builds an event from :meth:`to_json`'s output (read strictly:
         :func:`~stabljax.control.checkpoint.jsonio.loads_strict`)."""
         return cls.from_dict(jsonio.loads_strict(line, what="event"))
+
+
+def rollback_events(
+    plan: Any,
+    *,
+    losses: Any,
+    steps_back: int,
+    target_steps: int | None,
+    fed_end: int,
+    screened: tuple[str, ...] = (),
+    triage: Mapping[str, Any] | None = None,
+) -> list[Event]:
+    """The events of one rollback, in order: ``rollback``, ``skip``, then ``triage`` and
+    ``remedy`` (:func:`~stabljax.control.decide.remedies.remedy_event`) when they ran.
+
+    Args:
+      plan: the :class:`~stabljax.control.decide.policy.RollbackPlan` carried out.
+      losses: the ``[step, loss, skipped]`` rows before the detection.
+      steps_back: the steps taken back (from the step rolled back from to the target).
+      target_steps: the run's target (``None``: none declared).
+      fed_end: one past the last data index fed before the rollback.
+      screened: the plan entry's keys that say what screening ahead found, for the skip event.
+      triage: the triage report, if triage ran.
+    """
+    entry, skip, at = plan.entry, plan.skip, plan.detected
+    rollback = dict(onset=plan.onset, restored_step=plan.target, margin_met=plan.margin_met)
+    rollback |= dict(reason=entry["reason"], losses=losses, rollbacks=plan.ledger.rollbacks)
+    rollback |= dict(steps_back=steps_back, target_steps=target_steps)
+    skipped = dict(range=entry["range"], length=skip.length, doubled=skip.doubled)
+    skipped |= {k: entry[k] for k in screened if k in entry} | {"fed_end": fed_end}
+    events = [Event("rollback", at, details=rollback), Event("skip", at, details=skipped)]
+    if triage is not None:
+        events.append(Event("triage", at, details=dict(narrowed=plan.narrowed, **triage)))
+    if "remedy" in entry:
+        events.append(Event("remedy", at, details=remedy_event(entry, reapplied=False)))
+    return events
 
 
 def append_line(path: str | os.PathLike, line: str) -> None:

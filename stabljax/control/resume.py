@@ -70,7 +70,9 @@ def resume(store: CheckpointStore, saver: Saver, data_config: Any) -> Restored:
     newest = next(filter(None, metas), None)
     if newest is not None:
         check_compatible(newest, saver.abstract, data_config, directory)
-    pending = record is not None and record["target_step"] in steps
+    # The target may have been a fast-tier copy (host memory, gone now): then the newest
+    # checkpoint at or before it is restored, and the record's ledger taken over.
+    pending = record is not None and any(s <= record["target_step"] for s in steps)
     pending = pending and (newest is None or newest["rollbacks"] < record["rollbacks"])
     if pending:
         store.delete_newer_than(record["target_step"])

@@ -2,6 +2,9 @@
 
 * :func:`device_snapshot`: the state copied on its devices, so the train step may donate
   the original while a save (or triage, or screening) reads the copy.
+* :class:`FastTier`: the fast tier, host-RAM copies of recent states beside the persistent
+  checkpoints, each with the meta item a checkpoint of its step would hold; a rollback to
+  one reads nothing from the run directory.
 * :func:`data_item`: the Orbax args of the data position. Grain iterators are saved with
   Grain's own checkpoint handler (its state frozen when the save was decided) and read back
   into a :class:`GrainStateReader`, never into the live iterator: the data position has one
@@ -10,7 +13,10 @@
 
 from __future__ import annotations
 
+import copy
+import dataclasses
 import json
+from collections.abc import Mapping
 from typing import Any
 
 import grain
@@ -30,9 +36,85 @@ def device_snapshot(tree: Any) -> Any:
     where = [i for i, x in enumerate(leaves) if isinstance(x, jax.Array)]
     copies = jax.device_put([leaves[i] for i in where], may_alias=False)
     out = [np.array(x, copy=True) if isinstance(x, np.ndarray) else x for x in leaves]
-    for i, copy in zip(where, copies, strict=True):
-        out[i] = copy
+    for i, dup in zip(where, copies, strict=True):
+        out[i] = dup
     return jax.tree.unflatten(treedef, out)
+
+
+@dataclasses.dataclass(frozen=True)
+class _HostKey:
+    """A typed PRNG key array in host memory: its key data and implementation."""
+
+    data: np.ndarray
+    impl: Any
+
+
+def _host_leaf(x: Any) -> Any:
+    """A host copy of one leaf (blocks until the device computed it); never an alias."""
+    if not isinstance(x, jax.Array):
+        return copy.deepcopy(x)
+    if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
+        return _HostKey(np.array(jax.random.key_data(x)), jax.random.key_impl(x))
+    return np.array(x, copy=True)
+
+
+def _device_leaf(host: Any, was_array: bool, spec: Any) -> Any:
+    """``host`` back on the devices, with the sharding of ``spec`` (the state's structure)."""
+    if not was_array:
+        return copy.deepcopy(host)
+    if isinstance(host, _HostKey):
+        host = jax.random.wrap_key_data(host.data, impl=host.impl)
+    return jax.device_put(host, getattr(spec, "sharding", None))
+
+
+@dataclasses.dataclass(frozen=True)
+class HostCopy:
+    """One state of the fast tier: the train state's leaves in host memory and the meta
+    item (ledger, data position, detector state) a checkpoint of the same step would hold."""
+
+    leaves: list[Any]
+    arrays: list[bool]  # which leaves were jax.Arrays (restored onto the devices)
+    treedef: Any
+    meta: Mapping[str, Any]
+
+    def restore(self, abstract: Any) -> tuple[Any, dict[str, Any], None]:
+        """``(state, meta, None)`` as a checkpoint restore returns it, the state placed
+        with ``abstract``'s shardings (one process: every shard is this host's)."""
+        specs = self.treedef.flatten_up_to(abstract)
+        leaves = map(_device_leaf, self.leaves, self.arrays, specs)
+        return jax.tree.unflatten(self.treedef, list(leaves)), copy.deepcopy(dict(self.meta)), None
+
+
+class FastTier:
+    """The fast tier: a host-RAM copy of the state every ``every`` steps, the newest ``keep``.
+
+    It lives as long as the controller (a restart resumes from the persistent checkpoints).
+    ``every=None``: no fast tier.
+    """
+
+    def __init__(self, every: int | None, keep: int):
+        self.every, self.keep = every, keep
+        self.copies: dict[int, HostCopy] = {}  # step -> copy; a rollback's restore targets
+
+    def due(self, step: int) -> bool:
+        """Whether a copy of step ``step`` is due and not yet taken."""
+        return self.every is not None and step % self.every == 0 and step not in self.copies
+
+    def put(self, step: int, state: Any, meta: Mapping[str, Any]) -> None:
+        """Copies ``state`` to host memory with its ``meta``; drops the oldest past ``keep``."""
+        leaves, treedef = jax.tree.flatten(state)
+        arrays = [isinstance(x, jax.Array) for x in leaves]
+        host = [_host_leaf(x) for x in leaves]
+        self.copies[step] = HostCopy(host, arrays, treedef, copy.deepcopy(dict(meta)))
+        for old in sorted(self.copies)[: -self.keep]:
+            del self.copies[old]
+
+    def drop_newer_than(self, step: int) -> None:
+        """Forgets the copies after ``step`` (a rollback abandoned their branch)."""
+        self.copies = {s: c for s, c in self.copies.items() if s <= step}
+
+    def clear(self) -> None:
+        self.copies = {}
 
 
 class _FrozenState:

@@ -330,11 +330,13 @@ class CheckpointStore:
 
     def load(self, meta: Mapping[str, Any]) -> int:
         """Takes the save bookkeeping of a restored checkpoint's meta item (the kept
-        checkpoints' scores and resume-only marks, its step as the newest); returns its step."""
+        checkpoints' scores and resume-only marks, its step as the newest); returns its step.
+        A fast-tier copy's step is not in the directory: nothing is marked saved."""
         self.scores = {int(k): float(v) for k, v in meta["ckpt_losses"].items()}
         self.resume_only = set(meta.get("resume_only", []))
-        self.saved_at, self.deferred = int(meta["step"]), None
-        return self.saved_at
+        step = int(meta["step"])
+        self.saved_at, self.deferred = None if meta.get("tier") == "fast" else step, None
+        return step
 
     def write_record(self, record: Mapping[str, Any]) -> None:
         """Writes the rollback record (:data:`RECORD`; the primary host, whole or not at
@@ -430,13 +432,24 @@ class CheckpointStore:
         return state, meta, dict(saved)
 
     def first_restorable(
-        self, order: Sequence[int], abstract: Any, *, verify: bool | str, data: Any = None
+        self,
+        order: Sequence[int],
+        abstract: Any,
+        *,
+        verify: bool | str,
+        data: Any = None,
+        fast: Mapping[int, Any] | None = None,
     ) -> tuple[int, tuple[Any, dict[str, Any], Any]] | None:
         """The first of ``order`` that :meth:`restore` reads everywhere, as
         ``(step, (state, meta, data state))``; the ones that fail before it are set aside
-        as corrupt."""
+        as corrupt. A step in ``fast`` (the fast tier's host copies,
+        :class:`~stabljax.control.checkpoint.items.FastTier`) comes from host memory: nothing
+        is read from the directory."""
         failed, found = [], None
         for s in order:
+            if fast and s in fast:
+                found = (s, fast[s].restore(abstract))
+                break
             read = functools.partial(self.restore, s, abstract, data, verify=verify)
             result = try_everywhere(read, self.log, s)
             if result is not None:

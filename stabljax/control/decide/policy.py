@@ -42,6 +42,7 @@ def check_config(
     max_rollbacks: int | None = 0,
     background_save: bool = False,
     processes: int = 1,
+    fast_every: int | None = None,
 ) -> None:
     """Raises ``ValueError`` for a combination of arguments that cannot work.
 
@@ -65,18 +66,25 @@ def check_config(
         ("rollback_margin", rollback_margin, 0),
         ("extra_skip", extra_skip, 0),
         ("max_rollbacks", max_rollbacks, 0),
+        ("fast_every", fast_every, 1),
     ):
-        if name == "max_rollbacks" and value is None:
-            continue  # unlimited
+        if name in ("max_rollbacks", "fast_every") and value is None:
+            continue  # unlimited; no fast tier
         # An int (Python's or NumPy's), never a bool, a float (100.0, nan, inf) or a string.
         if not isinstance(value, numbers.Integral) or isinstance(value, bool) or value < low:
-            unlimited = " or None (unlimited)" if name == "max_rollbacks" else ""
+            unlimited = {"max_rollbacks": " or None (unlimited)", "fast_every": " or None"}
+            unlimited = unlimited.get(name, "")
             raise ValueError(f"{name} must be an int >= {low}{unlimited}, got {value!r}")
     if background_save and processes > 1:
         raise ValueError(
             f"background_save=True needs a single process, got {processes}: Orbax "
             "synchronises hosts with device collectives, which a background thread would "
             "issue in an order unrelated to the train step's own: set background_save=False"
+        )
+    if fast_every is not None and processes > 1:
+        raise ValueError(
+            f"fast_every={fast_every} needs a single process, got {processes}: the fast tier "
+            "keeps one host's copy of the state, not each process's shards; set fast_every=None"
         )
     if rollback_margin and rollback_margin >= keep * save_every:
         # keep checkpoints span less than keep * save_every steps: raising keep or save_every

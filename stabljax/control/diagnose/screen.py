@@ -39,6 +39,7 @@ import jax
 
 from stabljax.control.checkpoint.items import device_snapshot
 from stabljax.control.decide.policy import first_allowed
+from stabljax.control.detect.monitor import EMA_DECAY
 from stabljax.control.diagnose.triage import is_spike
 from stabljax.control.hosts import all_agree, to_host
 from stabljax.metrics import LOSS
@@ -212,16 +213,17 @@ def extend_over_window(
     losses: Any,
     rule: Any,
     max_skip: int,
-    level: float | None = None,
+    ema: Any = None,
 ) -> Any:
     """The controller's use of :func:`screen_ahead`: ``plan`` (a
     :class:`~stabljax.control.decide.policy.RollbackPlan`) extended over the batches past its
     skip whose loss is a spike (triage's rule ``rule``) against the restored state's own
     losses on the batches before the onset (else the finite, unskipped ``losses``,
     ``[step, loss, skipped]``, before it). Data that cannot be screened in place is read
-    ahead against ``level``, the restored checkpoint's smoothed loss (unchanged without
-    one: an untrained state has no level to compare with). On several processes every
-    process screens in lockstep."""
+    ahead against the restored checkpoint's smoothed loss (its meta's ``ema``, bias-corrected;
+    unchanged without one: an untrained state has no level to compare with). On several
+    processes every process screens in lockstep."""
+    level = float(ema[0]) / (1 - EMA_DECAY ** int(ema[1])) if ema and int(ema[1]) else None
     agree = all_agree if jax.process_count() > 1 else bool
     if not can_screen(data):
         if level is None or not can_read_ahead(data) or plan.resume_at < data.index:
