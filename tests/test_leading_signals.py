@@ -160,8 +160,10 @@ def test_step_returns_signals_as_device_values_without_a_host_call():
         metrics.check_key("test", "metric", key)
 
 
-def test_signals_aot_quick(tmp_path):
+@pytest.mark.slow  # an XLA:TPU compile, like tests/test_bench_tpu.py's
+def test_signals_aot_quick(tmp_path, monkeypatch):
     pytest.importorskip("libtpu")
+    monkeypatch.setenv("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")  # another worker may hold libtpu
     from experiments.bench import signals_aot
 
     res = signals_aot.main(["--quick", "--out", str(tmp_path), "--no-progress"])
