@@ -131,7 +131,7 @@ def train(cfg: Config, docs, held_out, workdir: pathlib.Path, on_step=None):
         )
         state = restored.state
     ctl = stabljax.RollbackController(workdir / "ctl", screen_ahead=64, screen_step=train_step)
-    state, it = ctl.restore_or_init(state, it)
+    state, it = ctl.restore_or_init(state, it, total_steps=cfg.steps)
     log = []
     while int(state.step) < cfg.steps:
         state, metrics = train_step(state, next(it))
@@ -154,3 +154,26 @@ def train(cfg: Config, docs, held_out, workdir: pathlib.Path, on_step=None):
     mngr.close()
     evals = [float(eval_loss(state, b)) for b in iter(make_loader(held_out, cfg))]
     return state, float(np.mean(evals)), log
+
+
+def main(argv=None) -> None:
+    """A small default run on this file's own bytes: ``python -m examples.<this module>``."""
+    import argparse
+    import tempfile
+
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--steps", type=int, default=20, help="train steps (micro-batches)")
+    p.add_argument("--workdir", type=pathlib.Path, help="where checkpoints go (default: a tempdir)")
+    args = p.parse_args(argv)
+    cfg = Config(steps=args.steps)
+    n = cfg.seq_len + 1
+    text = pathlib.Path(__file__).read_bytes() * 8  # the trainer's source as its corpus
+    docs = [(text[i : i + n], 1.0) for i in range(0, len(text) - n, n)]
+    held_out, docs = docs[: 2 * cfg.batch_size], docs[2 * cfg.batch_size :]
+    with tempfile.TemporaryDirectory() as tmp:
+        state, held_out_loss, _ = train(cfg, docs, held_out, args.workdir or pathlib.Path(tmp))
+    print(f"{int(state.step)} steps, held-out loss {held_out_loss:.3f}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,4 +1,4 @@
-"""The claims the READMEs make, derived from every results.json (issue 39's rules).
+"""The experiment claims the docs make, derived from every results.json.
 
 A comparison is a **stress test**, never counted as met, when it lies more than
 ``STRESS_MULTIPLE`` (10) times above its base arm's best LR, or when its failure was set by
@@ -6,8 +6,8 @@ hand. Every claim names its LR multiple and size. Beside the matched-LR claims, 
 experiment reports every arm's best loss at its own best LR (:func:`best_block`, from the
 per-LR, per-seed rows already stored), and from the two the verdict a practitioner wants:
 does a remedy lower the best reachable loss, or only widen the stable LR range.
-:mod:`experiments.summary_table` writes the result into both READMEs;
-``tests/test_claims.py`` checks the READMEs' sentences against the files.
+:mod:`experiments.summary_table` writes the result into experiments/README.md and
+docs/experiments.md; ``tests/test_claims.py`` checks their sentences against the files.
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ from typing import Any
 
 from experiments import stats
 from experiments.common import RESULTS, jsonable
+from experiments.holm_family import one_family, seeds_note
 
 ORDER = (
     "spike_recovery",
@@ -33,8 +34,6 @@ ORDER = (
 )
 #: Above this multiple of the base's best LR a comparison is a stress test (issue 39).
 STRESS_MULTIPLE = 10.0
-#: A best LR must come from at least this many seeds (issue 39).
-MIN_BEST_LR_SEEDS = 3
 #: Per experiment: the rows' arm field, the base arm, the loss field, a group field (one
 #: best-loss comparison per value) and a row filter: for :func:`best_block`.
 ARMS: dict[str, dict[str, Any]] = {
@@ -167,10 +166,6 @@ def best_block(name: str, payload: dict) -> dict | None:
         )
         label = spec.get("label", str)
         out[str(g)] = {label(a): v for a, v in per_arm.items()}
-    # The best-loss comparisons are a family of their own: Holm over them, as for the claims.
-    entries = [e["vs_base"] for arms in out.values() for e in arms.values() if "vs_base" in e]
-    for e, p in zip(entries, stats.holm([e["p_sign_flip"] for e in entries]), strict=True):
-        e["p_holm"] = p
     fails = [
         r
         for r in rows
@@ -195,14 +190,16 @@ def best_block(name: str, payload: dict) -> dict | None:
 
 def rederive(results: pathlib.Path = RESULTS) -> list[tuple[str, pathlib.Path]]:
     """Adds ``summary["best_per_arm"]`` (:func:`best_block`) to every results.json with a
-    spec in ``ARMS``, from the rows already stored there; the rest of the file is unchanged
-    (same writer format as :func:`experiments.common.write_results`)."""
+    spec in ``ARMS``, from the rows already stored there, and applies Holm over the claims
+    and the best-loss comparisons together (:func:`~experiments.holm_family.one_family`);
+    the rest of the file is unchanged (same writer format as
+    :func:`experiments.common.write_results`)."""
     done = []
     for name, payload in payloads(results):
         block = best_block(name, payload)
-        if block is None:
-            continue
-        payload["summary"]["best_per_arm"] = jsonable(block)
+        one_family(payload["summary"], block)
+        if block is not None:
+            payload["summary"]["best_per_arm"] = jsonable(block)
         path = results / name / "results.json"
         tmp = path.with_suffix(".json.tmp")
         tmp.write_text(json.dumps(payload, indent=1, sort_keys=True) + "\n")
@@ -288,7 +285,7 @@ def arm_in(comparison: str, arm: str) -> bool:
 
 
 def claims(results: pathlib.Path = RESULTS) -> str:
-    """The top-level README's claims, one line per experiment, from the results.json files.
+    """The claims of docs/experiments.md, one line per experiment, from the results.json files.
 
     Each line names the size, the seeds and where the failure comes from, then: the
     comparisons met at <= 10x the base's best LR (effect, interval, Holm p, LR multiple);
@@ -301,6 +298,7 @@ def claims(results: pathlib.Path = RESULTS) -> str:
     for name, payload in payloads(results):
         s = payload["summary"]
         best = best_block(name, payload) or s.get("best_per_arm")
+        one_family(s, best)  # in memory: one Holm family over claims and verdicts
         where = f"{', '.join(map(str, s['sizes']))}, {s['seeds']} seeds"
         made = s.get("failure_made_by_model")
         kind = {True: "failure made by the model", False: "failure set by hand"}.get(
@@ -350,14 +348,6 @@ def claims(results: pathlib.Path = RESULTS) -> str:
     return "\n".join(out) + "\n"
 
 
-def seeds_note(s: dict) -> str:
-    grid = s.get("lr_grid") or {}
-    m = re.search(r"(\d+) seed", str(grid.get("arm", ""))) if isinstance(grid, dict) else None
-    if m and int(m.group(1)) < MIN_BEST_LR_SEEDS:
-        return f"; best LR from {m.group(1)} seed(s), below the {MIN_BEST_LR_SEEDS} required"
-    return ""
-
-
 def best_text(best: dict, base: Any, label) -> str:
     parts, fails = [], []
     for group, arms in best.items():
@@ -374,9 +364,8 @@ def best_text(best: dict, base: Any, label) -> str:
             k, n = b["failed_runs_1_to_10x_best"]
             fails.append(f"{group + ' ' if group else ''}{label(base)} {k}/{n}")
     text = (
-        "Best loss at each arm's own best LR (remedy − base, paired per seed, Holm over these): "
-        + "; ".join(parts)
-        + "."
+        "Best loss at each arm's own best LR (remedy − base, paired per seed; Holm over one "
+        "family with the claims): " + "; ".join(parts) + "."
     )
     if fails:
         text += " Base runs failed at 1-10x its best LR: " + ", ".join(fails) + "."

@@ -169,9 +169,10 @@ class Invocation:
         title: str,
         summary: dict[str, Any] | None = None,
         stem: str = "results",
+        top: dict[str, Any] | None = None,
     ) -> pathlib.Path:
-        """``<stem>.json`` and ``<stem>.md`` in ``out``, with the command line and wall time;
-        prints ``table``."""
+        """``<stem>.json`` and ``<stem>.md`` in ``out``, with the command line and wall time
+        (and ``top``: :func:`experiments.common.write_results`); prints ``table``."""
         print(table)
         return common.write_results(
             self.out,
@@ -183,6 +184,7 @@ class Invocation:
             summary=summary,
             command=self.args.command,
             wall_s=self.elapsed(),
+            top=top,
         )
 
     def report(

@@ -47,6 +47,39 @@ def environment() -> dict[str, Any]:
     }
 
 
+#: The library code a result depends on: results are stale when these change after the
+#: commit they ran on (``tests/test_experiments.py`` checks every committed results.json).
+LIBRARY_PATHS = ("stabljax/control", "stabljax/optim")
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+
+def git(*args: str) -> str | None:
+    """``git args`` in the repository root: its stdout stripped, or None (no git, no repo,
+    or git failed)."""
+    import subprocess
+
+    try:
+        out = subprocess.run(
+            ["git", *args], cwd=ROOT, capture_output=True, text=True, check=True, timeout=30
+        )
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return out.stdout.strip()
+
+
+def library_commit() -> dict[str, Any]:
+    """The commit the library code ran at: ``{"commit": sha or None, "dirty": [...]}``, the
+    files under :data:`LIBRARY_PATHS` that differed from that commit when the run started
+    (uncommitted edits: the commit alone does not say what ran)."""
+    sha = git("rev-parse", "HEAD")
+    dirty = git("status", "--porcelain", "--", *LIBRARY_PATHS) if sha else None
+    return {
+        "commit": sha,
+        "paths": list(LIBRARY_PATHS),
+        "dirty": [line[3:] for line in (dirty or "").splitlines()],
+    }
+
+
 def jsonable(x: Any) -> Any:
     """``x`` as JSON-ready builtins; non-finite floats as the strings ``nan``/``inf``."""
     if dataclasses.is_dataclass(x) and not isinstance(x, type):
@@ -94,12 +127,15 @@ def write_results(
     summary: dict[str, Any] | None = None,
     command: str | None = None,
     wall_s: float | None = None,
+    top: dict[str, Any] | None = None,
 ) -> pathlib.Path:
-    """Writes ``<stem>.json`` (command, wall time, config, environment, summary, every
-    number) and ``<stem>.md``.
+    """Writes ``<stem>.json`` (command, wall time, config, environment, the library commit
+    (:func:`library_commit`), summary, every number) and ``<stem>.md``.
 
     Files are written to a temporary name and renamed, so a reader never sees half a file.
     In a multi-process run only process 0 writes (every process holds the same numbers).
+    ``top``: fields a reader looks for at the top level of the file (copies of summary
+    fields), beside the fixed ones.
     """
     out = pathlib.Path(out)
     if not is_primary():
@@ -108,6 +144,7 @@ def write_results(
     payload = {
         "config": jsonable(config),
         "environment": environment(),
+        "library": library_commit(),
         "results": jsonable(results),
     }
     if summary is not None:
@@ -116,6 +153,7 @@ def write_results(
         payload["command"] = command
     if wall_s is not None:
         payload["wall_s"] = round(float(wall_s), 1)
+    payload |= {k: jsonable(v) for k, v in (top or {}).items() if k not in payload}
     for name, text in (
         (f"{stem}.json", json.dumps(payload, indent=1, sort_keys=True) + "\n"),
         (f"{stem}.md", f"# {title}\n\n{table}"),

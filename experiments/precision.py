@@ -151,35 +151,10 @@ def _seed_values(cfg: Config, rows: list[dict], key: str, arm: str, lr: float) -
     return stats.per_seed(rows, key, cfg.seeds, arm=arm, lr=lr)
 
 
-def summarize(cfg: Config, rows: list[dict], diagnoses: dict) -> tuple[dict, dict]:
-    def score(arm):
-        return {lr: float(np.mean(_seed_values(cfg, rows, PRIMARY, arm, lr))) for lr in cfg.lrs}
-
-    grid = {a: stats.lr_grid(score(a)) for a in cfg.arms}
-    ref = "fp32" if "fp32" in cfg.arms else cfg.arms[0]
-    best = grid[ref]["best_lr"]
-    compared = [lr for lr in cfg.lrs if lr >= best * (1 - 1e-9)]
-    comparisons, effects = {}, {}
-    for arm in REMEDIES:
-        if arm not in cfg.arms or BASE not in cfg.arms:
-            continue
-        for lr in compared:
-            name = f"{arm} @ lr {lr:g} ({lr / best:.3g}x best), d{cfg.d_model}x{cfg.n_layers}"
-            comparisons[name] = {
-                "remedy": _seed_values(cfg, rows, PRIMARY, arm, lr),
-                "base": _seed_values(cfg, rows, PRIMARY, BASE, lr),
-            }
-            effects[name] = {
-                "failed_runs": {
-                    a: int(sum(_seed_values(cfg, rows, "failed", a, lr))) for a in cfg.arms
-                },
-                "fp32_loss": stats.interval(_seed_values(cfg, rows, PRIMARY, ref, lr)),
-            }
-    remedies = stats.family(PRIMARY_TEXT, comparisons)
+def _overflow_location(cfg: Config, rows: list[dict], diagnoses: dict) -> dict:
+    """Where fp16 without a loss scale first went non-finite: per step (the loss or a
+    gradient first) and op by op (the diagnosed first non-finite primitive per LR)."""
     base_rows = [r for r in rows if r["arm"] == BASE]
-    fp32_failed = {(r["lr"], r["seed"]) for r in rows if r["arm"] == ref and r["failed"]}
-    own = [r for r in base_rows if r["failed"] and (r["lr"], r["seed"]) not in fp32_failed]
-    fail_lrs = sorted({r["lr"] for r in own})
     backward = sum(r["backward_only_steps"] for r in rows if r["arm"] in ("fp16", BASE))
     forward_first = sum(
         0 <= r["first_nonfinite_loss_step"] <= r["first_nonfinite_grad_step"]
@@ -211,6 +186,48 @@ def summarize(cfg: Config, rows: list[dict], diagnoses: dict) -> tuple[dict, dic
             for lr, d in diagnoses.get("fp16", {}).items()
         },
     }
+    return where
+
+
+def _comparisons(
+    cfg: Config, rows: list[dict], ref: str, best: float, compared: list[float]
+) -> tuple[dict, dict]:
+    """Per remedy and LR: the paired seed values against the base arm, and the failed runs
+    of every arm with the reference arm's loss interval beside them."""
+    comparisons, effects = {}, {}
+    for arm in REMEDIES:
+        if arm not in cfg.arms or BASE not in cfg.arms:
+            continue
+        for lr in compared:
+            name = f"{arm} @ lr {lr:g} ({lr / best:.3g}x best), d{cfg.d_model}x{cfg.n_layers}"
+            comparisons[name] = {
+                "remedy": _seed_values(cfg, rows, PRIMARY, arm, lr),
+                "base": _seed_values(cfg, rows, PRIMARY, BASE, lr),
+            }
+            effects[name] = {
+                "failed_runs": {
+                    a: int(sum(_seed_values(cfg, rows, "failed", a, lr))) for a in cfg.arms
+                },
+                "fp32_loss": stats.interval(_seed_values(cfg, rows, PRIMARY, ref, lr)),
+            }
+    return comparisons, effects
+
+
+def summarize(cfg: Config, rows: list[dict], diagnoses: dict) -> tuple[dict, dict]:
+    def score(arm):
+        return {lr: float(np.mean(_seed_values(cfg, rows, PRIMARY, arm, lr))) for lr in cfg.lrs}
+
+    grid = {a: stats.lr_grid(score(a)) for a in cfg.arms}
+    ref = "fp32" if "fp32" in cfg.arms else cfg.arms[0]
+    best = grid[ref]["best_lr"]
+    compared = [lr for lr in cfg.lrs if lr >= best * (1 - 1e-9)]
+    comparisons, effects = _comparisons(cfg, rows, ref, best, compared)
+    remedies = stats.family(PRIMARY_TEXT, comparisons)
+    base_rows = [r for r in rows if r["arm"] == BASE]
+    fp32_failed = {(r["lr"], r["seed"]) for r in rows if r["arm"] == ref and r["failed"]}
+    own = [r for r in base_rows if r["failed"] and (r["lr"], r["seed"]) not in fp32_failed]
+    fail_lrs = sorted({r["lr"] for r in own})
+    where = _overflow_location(cfg, rows, diagnoses)
     met = [k for k, v in remedies.items() if v["claim_met"]]
     in_range = [lr for lr in compared if lr <= 10 * best * (1 + 1e-9)]
     lost = [lr for lr in in_range if lr in fail_lrs]

@@ -227,7 +227,7 @@ def summarize(cfg: Config, rows: list[dict]) -> tuple[dict, dict]:
                         "late_max_attn_logit",
                     )
                 }
-    remedies = stats.family(PRIMARY_TEXT, comparisons)
+    remedies = stats.family(PRIMARY_TEXT, comparisons, test="paired_t")  # sign-flip floor: 0.039
     for k, r in remedies.items():
         effects[k][PRIMARY] = r
     grid = {opt: stats.grid_of(rows, optimizer=opt, arm="none") for opt in cfg.optimizers}

@@ -192,7 +192,7 @@ def controller(cfg, ckpt, arm: str) -> stabljax.RollbackController:
     keep = (cfg.margin + 2 * cfg.save_every) // cfg.save_every + 2
     kw = {}
     if arm == "remedy":
-        from stabljax.control import remedies
+        from stabljax.control.decide import remedies
 
         kw["remedy"] = remedies.lower_lr(cfg.remedy_factor)
     return stabljax.RollbackController(

@@ -115,8 +115,16 @@ INTERVAL_TEXT = "paired t, 95 %"
 P_VALUES_TEXT = "exact sign-flip permutation, Holm-adjusted over the experiment's family"
 
 
+#: The tests :func:`family` can take its p-values from.
+TESTS = ("sign_flip", "paired_t")
+
+
 def family(
-    metric: str, comparisons: dict[str, dict[str, Any]], *, alpha: float = ALPHA
+    metric: str,
+    comparisons: dict[str, dict[str, Any]],
+    *,
+    alpha: float = ALPHA,
+    test: str = "sign_flip",
 ) -> dict[str, dict[str, Any]]:
     """Issue 29's claim rule over one experiment's family of comparisons.
 
@@ -131,11 +139,19 @@ def family(
     Holm-adjusted over the whole family. ``claim_met``: the interval lies below 0, the
     Holm p is below ``alpha``, and the mechanism (where given) moved, its own t-interval
     excluding 0 on ``direction``'s side. ``mechanism_moved`` is None where none is given.
+
+    ``test``: ``"sign_flip"`` (exact; its floor is :func:`sign_flip_floor`, so with few seeds
+    and a large family nothing can pass) or ``"paired_t"`` (:func:`paired_t_p`, no floor):
+    the p that is Holm-adjusted (``p_test``; ``p_sign_flip`` is kept either way).
     """
+    if test not in TESTS:
+        raise ValueError(f"test must be one of {TESTS}, got {test!r}")
     if not comparisons:
         return {}
     effects = {k: paired_effect(c["remedy"], c["base"], metric) for k, c in comparisons.items()}
-    adjusted = holm([e["p_sign_flip"] for e in effects.values()])
+    for e in effects.values():
+        e["p_test"] = e["p_sign_flip"] if test == "sign_flip" else paired_t_p(e["per_seed"])
+    adjusted = holm([e["p_test"] for e in effects.values()])
     out = {}
     for (k, c), e, p_adj in zip(comparisons.items(), effects.values(), adjusted, strict=True):
         entry = {
@@ -143,6 +159,8 @@ def family(
             "effect_mean": e["effect_mean"],
             "ci95": e["ci95"],
             "p_sign_flip": e["p_sign_flip"],
+            "test": test,
+            "p_test": e["p_test"],
             "p_holm": p_adj,
             "per_seed": e["per_seed"],
             "mechanism_moved": None,
@@ -341,6 +359,30 @@ def sign_flip_p(x: Sequence[float]) -> float:
     sums = np.abs((1 - 2 * patterns) @ v)
     observed = abs(float(v.sum()))
     return float(np.mean(sums >= observed - 1e-12 * max(1.0, observed)))
+
+
+def paired_t_p(x: Sequence[float]) -> float:
+    """Two-sided paired t-test p of mean 0 on the differences ``x``, ``2·(1 − F_{n−1}(|mean|
+    ·√n / sd))``: no floor (unlike :func:`sign_flip_p`), assumes a near-normal mean. Equal
+    non-zero differences give 0, all zero 1; non-finite entries or fewer than 2, NaN."""
+    v = np.asarray(x, dtype=float)
+    if v.ndim != 1 or v.size == 0:
+        raise ValueError(f"x must be a non-empty 1-D sequence, got shape {v.shape}")
+    if v.size < 2 or not np.all(np.isfinite(v)):
+        return float("nan")
+    m, sd = float(np.mean(v)), float(np.std(v, ddof=1))
+    if sd == 0:
+        return 1.0 if m == 0 else 0.0
+    t = abs(m) * math.sqrt(v.size) / sd
+    return float(2 * (1 - t_cdf(t, v.size - 1)))
+
+
+def sign_flip_floor(n: int) -> float:
+    """The smallest p :func:`sign_flip_p` gives with ``n`` seeds, ``2 / 2**n``; Holm over
+    ``m`` comparisons makes it ``m`` times that (10 seeds, 20 comparisons: 0.039)."""
+    if n < 1:
+        raise ValueError(f"n must be >= 1, got {n}")
+    return 2.0 / 2**n
 
 
 def holm(pvalues: Sequence[float]) -> list[float]:

@@ -1,11 +1,11 @@
-"""Regenerates the table at the top of experiments/README.md and the experiment claims in
-the top-level README.md from every results.json.
+"""Regenerates the table at the top of experiments/README.md and the experiment claims on
+the documentation's experiments page (docs/experiments.md) from every results.json.
 
     python -m experiments.summary_table [--check] [--rederive] [--replot]
 
 One row per remedy of every experiment's ``summary``, and one claims line per experiment
 (:mod:`experiments.claims`: LR multiples, stress tests, best loss per arm); ``--check``
-exits 1 when either README block differs from what the results give (a test runs it);
+exits 1 when a generated block differs from what the results give (a test runs it);
 ``--rederive`` first writes each summary's ``best_per_arm`` into its results.json from
 the rows stored there (no training run).
 """
@@ -30,9 +30,11 @@ from experiments.claims import (
     where_text,
 )
 from experiments.common import RESULTS
+from experiments.holm_family import one_family
 
 README = pathlib.Path(__file__).resolve().parent / "README.md"
-TOP_README = pathlib.Path(__file__).resolve().parent.parent / "README.md"
+#: The page that carries the experiment claims (the generated ``CLAIMS`` block).
+CLAIMS_PAGE = pathlib.Path(__file__).resolve().parent.parent / "docs" / "experiments.md"
 START, END = "<!-- summary-table:start -->", "<!-- summary-table:end -->"
 CLAIMS = ("<!-- experiment-claims:start -->", "<!-- experiment-claims:end -->")
 BEST = ("<!-- best-loss:start -->", "<!-- best-loss:end -->")
@@ -68,6 +70,7 @@ def table(results: pathlib.Path = RESULTS) -> str:
             lines.append(f"| {name} | (no summary) | | | | | | | | | | |")
             continue
         best = best_block(name, stored[name]) or s.get("best_per_arm")
+        one_family(s, best)
         made = s.get("failure_made_by_model")
         head = (
             f"| {name} | {_yes(made)} "
@@ -96,13 +99,14 @@ def best_table(results: pathlib.Path = RESULTS) -> str:
     verdict: lowers the best loss, or only widens the stable LR range, or neither."""
     lines = [
         "| experiment | arm | best LR | best loss (mean [95% t-CI]) | remedy − base at each "
-        "one's best LR [95% paired t-CI] | p (Holm over these) | verdict |",
+        "one's best LR [95% paired t-CI] | p (Holm, one family with the claims) | verdict |",
         "|---|---|---|---|---|---|---|",
     ]
     for name, payload in payloads(results):
         best = best_block(name, payload)
         if not best:
             continue
+        one_family(payload["summary"], best)
         verdict = verdicts(name, payload["summary"], best)
         for group, arms in best.items():
             for arm, e in arms.items():
@@ -127,7 +131,7 @@ def render(readme: str, body: str, markers: tuple[str, str] = (START, END)) -> s
     """``readme`` with the text between the markers replaced by ``body``."""
     start, end = markers
     if start not in readme or end not in readme:
-        raise ValueError(f"README has no {start} ... {end} block")
+        raise ValueError(f"the page has no {start} ... {end} block")
     head, rest = readme.split(start, 1)
     _, tail = rest.split(end, 1)
     return f"{head}{start}\n{body}{end}{tail}"
@@ -161,7 +165,7 @@ def main(argv=None) -> int:
     targets = [
         (README, table(), (START, END)),
         (README, best_table(), BEST),
-        (TOP_README, claims(), CLAIMS),
+        (CLAIMS_PAGE, claims(), CLAIMS),
     ]
     stale = []
     for path, body, markers in targets:

@@ -26,15 +26,15 @@ from stabljax import init as init
 from stabljax import reference as reference
 from stabljax import telemetry as telemetry
 from stabljax.control.controller import RollbackController as RollbackController
-from stabljax.control.data import DataIterator as DataIterator
-from stabljax.control.data import GrainDatasetIterator as GrainDatasetIterator
-from stabljax.control.data import GrainLoaderIterator as GrainLoaderIterator
-from stabljax.control.data import IndexedBatches as IndexedBatches
-from stabljax.control.detectors import SpikeDetector as SpikeDetector
-from stabljax.control.drift import DivergenceDetector as DivergenceDetector
-from stabljax.control.drift import SlowDivergenceDetector as SlowDivergenceDetector
+from stabljax.control.data.grain_iterators import GrainDatasetIterator as GrainDatasetIterator
+from stabljax.control.data.grain_iterators import GrainLoaderIterator as GrainLoaderIterator
+from stabljax.control.data.iterators import DataIterator as DataIterator
+from stabljax.control.data.iterators import IndexedBatches as IndexedBatches
+from stabljax.control.detect.detectors import SpikeDetector as SpikeDetector
+from stabljax.control.detect.drift import DivergenceDetector as DivergenceDetector
+from stabljax.control.detect.drift import SlowDivergenceDetector as SlowDivergenceDetector
+from stabljax.control.diagnose.triage import TriageConfig as TriageConfig
 from stabljax.control.errors import TrainingDiverged as TrainingDiverged
-from stabljax.control.triage import TriageConfig as TriageConfig
 from stabljax.losses import cross_entropy_with_z_loss as cross_entropy_with_z_loss
 from stabljax.losses import lm_loss as lm_loss
 from stabljax.losses import z_loss as z_loss
@@ -55,18 +55,18 @@ from stabljax.optim.clipping import clip_by_adagc as clip_by_adagc
 from stabljax.optim.clipping import clip_by_percentile as clip_by_percentile
 from stabljax.optim.clipping import clip_by_zscore as clip_by_zscore
 from stabljax.optim.clipping import clip_spikes_per_coordinate as clip_spikes_per_coordinate
-from stabljax.optim.guard_core import SkipNonfiniteState as SkipNonfiniteState
-from stabljax.optim.guard_core import SkipSpikesState as SkipSpikesState
-from stabljax.optim.guard_core import SpikeRule as SpikeRule
-from stabljax.optim.guard_core import skip_step as skip_step
-from stabljax.optim.guard_multisteps import (
+from stabljax.optim.guards.core import SkipNonfiniteState as SkipNonfiniteState
+from stabljax.optim.guards.core import SkipSpikesState as SkipSpikesState
+from stabljax.optim.guards.core import SpikeRule as SpikeRule
+from stabljax.optim.guards.core import skip_step as skip_step
+from stabljax.optim.guards.multisteps import (
     skip_nonfinite_micro_batch as skip_nonfinite_micro_batch,
 )
-from stabljax.optim.guards import any_skipped as any_skipped
-from stabljax.optim.guards import skip_nonfinite as skip_nonfinite
-from stabljax.optim.guards import skip_spikes as skip_spikes
-from stabljax.optim.guards import skip_streak as skip_streak
-from stabljax.optim.guards import spike_rebaselines as spike_rebaselines
+from stabljax.optim.guards.skips import any_skipped as any_skipped
+from stabljax.optim.guards.skips import skip_nonfinite as skip_nonfinite
+from stabljax.optim.guards.skips import skip_spikes as skip_spikes
+from stabljax.optim.guards.skips import skip_streak as skip_streak
+from stabljax.optim.guards.skips import spike_rebaselines as spike_rebaselines
 from stabljax.optim.qk_clip import QKClipState as QKClipState
 from stabljax.optim.qk_clip import QKHeads as QKHeads
 from stabljax.optim.qk_clip import QKLayer as QKLayer

@@ -19,7 +19,7 @@ import jax.numpy as jnp
 from jax.typing import ArrayLike
 
 from stabljax import metrics
-from stabljax.optim._base import validate
+from stabljax.base import validate
 
 __all__ = ("cross_entropy_with_z_loss", "lm_loss", "z_loss")
 

@@ -57,6 +57,14 @@ ATTN_LOGIT_PROXY = "attn_logit_proxy"
 # f32[n_layers + 1], what check_init reads: not a scalar, so no detector can watch it.
 RESIDUAL_RMS = "residual_rms"  # RMS of the residual stream at the input and after each block
 
+# Written with make_train_step(signals=telemetry.Signals(...)): leading indicators of a spike
+# (stabljax.telemetry.leading_signals), read by the WarningDetector.
+UPDATE_RMS_RATIO = "update_rms_ratio"  # float32: max over layers of RMS(update)/RMS(param)
+ADAM_RMS = "adam_rms"  # float32: max over layers of sqrt(mean(g^2 / v_hat)), v_hat after update
+UPDATE_RMS_RATIO_LAYERS = "update_rms_ratio_layers"  # {param path: f32 scalar}
+ADAM_RMS_LAYERS = "adam_rms_layers"  # {param path: f32 scalar}
+SIGNAL_KEYS = (UPDATE_RMS_RATIO, ADAM_RMS)
+
 # Every key the step (with lm_loss and the reference Transformer) can write.
 STEP_KEYS = (
     LOSS,
@@ -72,7 +80,12 @@ STEP_KEYS = (
 LM_KEYS = (CE, Z_LOSS, LOG_Z, LOG_Z_MAX)
 MODEL_KEYS = (MAX_ATTN_LOGIT,)
 KNOWN_KEYS = frozenset(
-    STEP_KEYS + LM_KEYS + MODEL_KEYS + (LAYERS, MAX_ATTN_LOGIT_LAYERS, ATTN_LOGIT_PROXY)
+    STEP_KEYS
+    + LM_KEYS
+    + MODEL_KEYS
+    + SIGNAL_KEYS
+    + (LAYERS, MAX_ATTN_LOGIT_LAYERS, ATTN_LOGIT_PROXY)
+    + (UPDATE_RMS_RATIO_LAYERS, ADAM_RMS_LAYERS)
 )
 
 

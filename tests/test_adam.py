@@ -18,7 +18,7 @@ from helpers import (
 )
 
 from stabljax.optim import adam
-from stabljax.optim.guards import skip_nonfinite
+from stabljax.optim.guards.skips import skip_nonfinite
 
 DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
 

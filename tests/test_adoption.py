@@ -1,10 +1,11 @@
 """Adopting stabljax inside someone else's trainer (examples/trainer_before.py, trainer_after.py).
 
-README's adoption recipe is the diff between the two trainers: checked here line for line,
-with at most 15 changed lines. The adopted trainer keeps its own ``optax.MultiSteps``, its
-own Grain ``DataLoader`` and its own Orbax ``CheckpointManager`` (which saves the
-controller's Grain wrapper and restores it on a restart), and is run on bad data: one NaN
-micro-batch and a 20-batch window of random bytes (about 2x the loss).
+The adoption guide's recipe (docs/guides/adopting.md) is the diff between the two trainers:
+checked here line for line, with at most 15 changed lines. The adopted trainer keeps its
+own ``optax.MultiSteps``, its own Grain ``DataLoader`` and its own Orbax
+``CheckpointManager`` (which saves the controller's Grain wrapper and restores it on a
+restart), and is run on bad data: one NaN micro-batch and a 20-batch window of random
+bytes (about 2x the loss).
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import difflib
 import pathlib
 import re
 
+import grain
 import jax
 import numpy as np
 import optax
@@ -25,7 +27,7 @@ from examples import trainer_handover as adopt_handover
 from stabljax.control import read_events
 from stabljax.reference import default_corpus
 
-README = pathlib.Path(__file__).parents[1] / "README.md"
+GUIDE = pathlib.Path(__file__).parents[1] / "docs" / "guides" / "adopting.md"
 HERE = pathlib.Path(__file__).parents[1] / "examples"
 NAN_BATCH = 61  # the second micro-batch of optimizer update 30
 GARBAGE = range(250, 270)  # 20 batches of uniform random bytes, after the step-100 checkpoint
@@ -53,9 +55,9 @@ def make_docs(cfg, n_batches, *, nan_batch=None, garbage=()):
 
 
 def readme_diff(name: str = "adoption") -> str:
-    text = README.read_text()
+    text = GUIDE.read_text()
     m = re.search(rf"<!-- recipe: {name} -->\n```diff\n(.*?)```", text, re.S)
-    assert m, f"README.md has no '<!-- recipe: {name} -->' diff block"
+    assert m, f"docs/guides/adopting.md has no '<!-- recipe: {name} -->' diff block"
     return m.group(1)
 
 
@@ -226,3 +228,102 @@ def test_a_step_counter_that_did_not_advance_is_named_one_call_later(tmp_path):
         ):
             ctl.step(state, metrics, data)
         assert ctl.current_step == 6  # well before the next save (step 100)
+
+
+# ---------------------------------------------------------------------- the garbage window
+# Issue 52: a 20-batch window at about 2x the loss, right after a checkpoint. How many
+# rollbacks pass it, and how many of its batches are trained on again after the first one.
+
+
+class _KeepAll(grain.transforms.Filter):
+    """Keeps every record: the loader's position can then no longer be moved by state
+    arithmetic, so it can neither rewind nor be screened in place (a packed loader's case)."""
+
+    def filter(self, element) -> bool:
+        return True
+
+
+def window_retrained(events, window) -> tuple[int, list[int]]:
+    """``(rollbacks, window batches fed after the first rollback)``, from the events.
+
+    After rollback ``k`` training resumes at the restore event's ``data_index`` and feeds,
+    past the ranges skipped so far, up to the next rollback's ``fed_end`` (the end of the
+    run after the last one).
+    """
+    skips = [e for e in events if e.kind == "skip"]
+    resumes = [
+        e.details["data_index"]
+        for e in events
+        if e.kind == "restore" and e.details.get("reason") == "rollback"
+    ]
+    retrained, ranges = [], []
+    for k, skip in enumerate(skips):
+        ranges.append(range(*skip.details["range"]))
+        stop = skips[k + 1].details["fed_end"] if k + 1 < len(skips) else max(window) + 1
+        fed = [i for i in range(resumes[k], stop) if not any(i in r for r in ranges)]
+        retrained += [i for i in fed if i in window]
+    return len(skips), retrained
+
+
+def run_garbage_window(workdir, *, window=GARBAGE, keep_all=False, steps=STEPS, **ctl_kw):
+    """trainer_after on the garbage window, with controller overrides ``ctl_kw`` and, with
+    ``keep_all``, a loader that cannot move back. Returns ``(rollbacks, retrained, eval)``."""
+    cfg = adopt_after.Config(batch_size=32, steps=steps)
+    docs, held_out = make_docs(cfg, 2 * steps, garbage=window)
+    ns = _Namespace(stabljax)
+    ns.RollbackController = lambda *a, **kw: stabljax.RollbackController(*a, **(kw | ctl_kw))
+    loader = adopt_after.make_loader
+
+    def make_loader(docs, cfg):
+        made = loader(docs, cfg)
+        return grain.DataLoader(
+            data_source=docs,
+            sampler=grain.samplers.IndexSampler(len(docs), num_epochs=1, shuffle=False),
+            operations=[_KeepAll(), *made._operations] if keep_all else made._operations,
+            worker_count=0,
+        )
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(adopt_after, "stabljax", ns)
+        mp.setattr(adopt_after, "make_loader", make_loader)
+        _, bad_eval, _ = adopt_after.train(cfg, docs, held_out, workdir)
+    rollbacks, retrained = window_retrained(read_events(workdir / "ctl" / "events.jsonl"), window)
+    return rollbacks, retrained, bad_eval
+
+
+EARLY = range(122, 142)  # issue 52's window: right after the step-100 checkpoint, early on
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("keep_all", [False, True], ids=["loader_rewinds", "loader_cannot"])
+@pytest.mark.parametrize("window", [GARBAGE, EARLY], ids=["at_250", "at_122"])
+def test_the_garbage_window_is_passed_with_one_rollback_at_the_defaults(tmp_path, keep_all, window):
+    """The recipe's settings (the controller's defaults, ``screen_ahead=64``): one rollback
+    passes the 20-batch window, and at most 2 of its batches are trained on after it
+    (measured: none; BUILD.md, "The garbage window"), whether the loader can rewind (it is
+    screened in place) or not (it is read ahead). With the old default margin of 100 the
+    window at 122 rolled back to the untrained step 0, whose losses cannot tell garbage
+    from text, and 7 of its batches were trained on again."""
+    steps = STEPS if window is GARBAGE else 220
+    rollbacks, retrained, _ = run_garbage_window(
+        tmp_path, window=window, keep_all=keep_all, steps=steps
+    )
+    assert rollbacks == 1 and len(retrained) <= 2, (rollbacks, retrained)
+
+
+def test_window_retrained_counts_the_window_batches_fed_after_each_rollback():
+    """The count above, on hand-made events: a first skip that ends inside the window
+    (two batches fed again before the next rollback), then a doubled one past it."""
+    from stabljax.control import Event
+
+    window = range(20, 30)
+    events = [
+        Event("rollback", 24, details={}),
+        Event("skip", 24, details={"range": [10, 25], "fed_end": 25}),
+        Event("restore", 10, details={"data_index": 25, "reason": "rollback"}),
+        Event("rollback", 26, details={}),
+        Event("skip", 26, details={"range": [10, 40], "fed_end": 27}),
+        Event("restore", 10, details={"data_index": 40, "reason": "rollback"}),
+    ]
+    assert window_retrained(events, window) == (2, [25, 26])
+    assert window_retrained(events[:3], window) == (1, [25, 26, 27, 28, 29])

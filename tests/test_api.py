@@ -1,5 +1,8 @@
 """The public API: flat, sorted, documented, and the README's commands in sync with CI.
 
+The guides' loop and init snippet, and where moved names went (the API reference's
+"Where things live"), are checked against the code here too.
+
 Also the shape of the surface: at most 50 names at the top level, the rest in subpackages;
 no DeprecationWarning anywhere in stabljax; every name imported from the module that
 defines it; and nothing underscored imported across modules (in stabljax, the
@@ -64,22 +67,22 @@ def test_readme_main_command_runs_the_main_job():
 
 def test_readme_shows_the_tested_training_loop():
     loop = (ROOT / "tests" / "readme_loop.py").read_text().strip()
-    text = (ROOT / "README.md").read_text()
-    assert loop in text, "README.md's training loop differs from tests/readme_loop.py"
+    text = (ROOT / "docs" / "guides" / "train_step.md").read_text()
+    assert loop in text, "the train-step guide's loop differs from tests/readme_loop.py"
 
 
 def test_readme_init_snippet_runs_and_the_gpt2_plan_passes(capsys):
-    text = (ROOT / "README.md").read_text()
-    m = re.search(r"## Init: plan, build, check\n\n```python\n(.+?)\n```", text, re.S)
-    assert m, "README.md has no init snippet"
+    text = (ROOT / "docs" / "guides" / "init.md").read_text()
+    m = re.search(r"<!-- tested: tests/test_api.py -->\n```python\n(.+?)\n```", text, re.S)
+    assert m, "docs/guides/init.md has no init snippet"
     code = m.group(1).replace("print(sj.init.check_init(", "report = (sj.init.check_init(")
     scope: dict = {}
-    exec(compile(code, "README.md:init", "exec"), scope)
+    exec(compile(code, "docs/guides/init.md", "exec"), scope)
     assert "attn_out" in capsys.readouterr().out  # the plan table was printed
     assert scope["report"].ok, str(scope["report"])
 
 
-# Where each name that left the top level went (README, "Where things live").
+# Where each name that left the top level went (docs/api/index.md, "Where things live").
 MOVED = {
     "reference": ("TransformerConfig", "TransformerLM", "default_corpus", "lm_batch_fn"),
     "init": ("ArchSpec", "InitPlan", "InitReport", "check_init", "init_plan"),
@@ -109,13 +112,13 @@ def test_the_top_level_is_optax_sized():
 def test_moved_names_live_in_their_subpackage_and_the_readme_says_where(package):
     sub = importlib.import_module(f"stabljax.{package}")
     assert getattr(stabljax, package) is sub
-    section = (ROOT / "README.md").read_text().split("## Where things live")[1]
+    section = (ROOT / "docs" / "api" / "index.md").read_text().split("## Where things live")[1]
     for name in MOVED[package]:
         assert name not in stabljax.__all__ and not hasattr(stabljax, name), name
         assert name in sub.__all__, f"stabljax.{package}.__all__ lacks {name}"
         assert getattr(sub, name).__module__.startswith(f"stabljax.{package}"), name
         line = next((ln for ln in section.splitlines() if f"`{name}`" in ln), "")
-        assert f"`stabljax.{package}`" in line, f"README does not say where {name} went"
+        assert f"`stabljax.{package}`" in line, f"the API reference does not say where {name} went"
 
 
 def test_importing_any_stabljax_module_raises_no_deprecation_warning():
@@ -233,7 +236,7 @@ def test_the_import_check_catches_what_it_forbids(tmp_path, monkeypatch):
     (tmp_path / "bad.py").write_text(
         "import stabljax\n"
         "from stabljax import step\n"
-        "from stabljax.optim._base import _TRACER_ERRORS\n"
+        "from stabljax.base import _TRACER_ERRORS\n"
         "from stabljax.step import nnx_apply\n"
         "step._FP32, stabljax.step._FP32\n"
     )

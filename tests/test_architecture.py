@@ -1,11 +1,16 @@
 """The shape of the package, read from the source (ast, nothing imported): no import circle
-(imports under ``TYPE_CHECKING`` and inside functions count), no module over 600 lines, and
-no module aliased under an old path."""
+(imports under ``TYPE_CHECKING`` and inside functions count), no module over 600 lines, no
+module aliased under an old path; no folder over 8 modules, no function over 80 lines of
+code, no experiment file over 400 lines, no frame reads or private optax attributes, no
+module-name aliases and no unused re-exports. Each rule's checker is also fed a violation."""
 
 from __future__ import annotations
 
 import ast
+import io
 import pathlib
+import sys
+import tokenize
 
 import pytest
 
@@ -140,6 +145,240 @@ def test_no_old_path_alias():
 def test_the_old_paths_are_gone():
     import importlib
 
-    for old in ("checkpoints", "detect", "lifecycle", "recovery", "writers", "saving"):
+    older = ("checkpoints", "lifecycle", "recovery", "writers", "saving")
+    flat = ("detectors", "drift", "trends", "monitor", "store", "saver", "retention", "integrity")
+    flat += ("items", "jsonio", "fsutil", "grain_state", "policy", "remedies", "triage", "rollback")
+    flat += ("attribution", "screen")
+    for old in older + flat:
         with pytest.raises(ModuleNotFoundError):
             importlib.import_module(f"stabljax.control.{old}")
+
+
+# ------------------------------------------------------------------------ sizes a newcomer can walk
+# STYLE.md: a folder holds at most 8 modules; a function at most 80 lines of code; an
+# experiment file at most 400 lines; no frame reads and no private optax attributes; no
+# module aliased under another name, and no unused re-export outside a package's __init__.
+
+REPO = ROOT.parent
+MAX_MODULES = 8
+MAX_FUNCTION_LINES = 80
+MAX_EXPERIMENT_LINES = 400
+FORBIDDEN = (
+    "sys._getframe",
+    "_getframe",
+    "inspect.currentframe",
+    "inspect.stack",
+    "_should_skip_update_fn",
+)
+_NOT_CODE = (
+    tokenize.COMMENT,
+    tokenize.NL,
+    tokenize.NEWLINE,
+    tokenize.INDENT,
+    tokenize.DEDENT,
+    tokenize.ENDMARKER,
+)
+
+
+def _python_files(*folders: str) -> list[pathlib.Path]:
+    out = []
+    for folder in folders:
+        out += [p for p in (REPO / folder).rglob("*.py") if "results" not in p.parts]
+    return sorted(out)
+
+
+def folder_sizes(root: pathlib.Path) -> dict[str, int]:
+    """The number of modules (``.py`` files, ``__init__.py`` included) in each folder."""
+    sizes: dict[str, int] = {}
+    for path in root.rglob("*.py"):
+        key = str(path.parent.relative_to(root.parent))
+        sizes[key] = sizes.get(key, 0) + 1
+    return sizes
+
+
+def _code_lines(source: str) -> set[int]:
+    """The lines holding a token of code: not blank, not a comment alone."""
+    lines: set[int] = set()
+    for tok in tokenize.generate_tokens(io.StringIO(source).readline):
+        if tok.type not in _NOT_CODE:
+            lines.update(range(tok.start[0], tok.end[0] + 1))
+    return lines
+
+
+def function_lengths(source: str) -> dict[str, int]:
+    """Lines of code of every function, by qualified name (``outer.inner``).
+
+    From the ``def`` line to the function's last line, nested functions included; blank
+    lines, comment lines and the docstring are not counted.
+    """
+    code, out = _code_lines(source), {}
+
+    def visit(node: ast.AST, prefix: str) -> None:
+        for child in ast.iter_child_nodes(node):
+            name = prefix
+            if isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                name = f"{prefix}{child.name}"
+                span = set(range(child.lineno, child.end_lineno + 1))
+                first = child.body[0]
+                if isinstance(first, ast.Expr) and isinstance(first.value, ast.Constant):
+                    if isinstance(first.value.value, str):
+                        span -= set(range(first.lineno, first.end_lineno + 1))
+                out[name] = len(span & code)
+                name += "."
+            elif isinstance(child, ast.ClassDef):
+                name = f"{prefix}{child.name}."
+            visit(child, name)
+
+    visit(ast.parse(source), "")
+    return out
+
+
+def forbidden_strings(text: str) -> list[str]:
+    return [s for s in FORBIDDEN if s in text]
+
+
+def module_aliases(source: str, modules: set[str]) -> list[str]:
+    """``from stabljax.x import mod as m`` / ``import stabljax.x.mod as m`` with ``m != mod``."""
+    out = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Import):
+            for a in node.names:
+                if a.asname and a.name in modules and a.asname != a.name.rpartition(".")[2]:
+                    out.append(f"import {a.name} as {a.asname}")
+        elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+            for a in node.names:
+                full = f"{node.module}.{a.name}"
+                if a.asname and full in modules and a.asname != a.name:
+                    out.append(f"from {node.module} import {a.name} as {a.asname}")
+    return out
+
+
+def unused_reexports(source: str) -> list[str]:
+    """``from X import name as name`` whose ``name`` the module never reads."""
+    tree = ast.parse(source)
+    read = {n.id for n in ast.walk(tree) if isinstance(n, ast.Name)}
+    read |= {
+        n.value.id
+        for n in ast.walk(tree)
+        if isinstance(n, ast.Attribute) and isinstance(n.value, ast.Name)
+    }
+    out = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom):
+            for a in node.names:
+                if a.asname is not None and a.asname == a.name and a.name not in read:
+                    out.append(f"from {node.module} import {a.name} as {a.name}")
+    return out
+
+
+def test_no_folder_holds_more_than_8_modules():
+    big = {k: v for k, v in folder_sizes(ROOT).items() if v > MAX_MODULES}
+    assert not big, f"folders over {MAX_MODULES} modules (group them by concept): {big}"
+
+
+def test_the_folder_count_catches_a_ninth_module(tmp_path):
+    pkg = tmp_path / "stabljax" / "optim"
+    pkg.mkdir(parents=True)
+    for i in range(8):
+        (pkg / f"m{i}.py").write_text("")
+    assert folder_sizes(tmp_path / "stabljax") == {"stabljax/optim": 8}
+    (pkg / "__init__.py").write_text("")
+    assert folder_sizes(tmp_path / "stabljax") == {"stabljax/optim": 9}
+
+
+def test_no_function_over_80_lines_of_code():
+    long = []
+    for path in _python_files("stabljax", "experiments"):
+        for name, n in function_lengths(path.read_text()).items():
+            if n > MAX_FUNCTION_LINES:
+                long.append(f"{path.relative_to(REPO)}::{name} ({n})")
+    assert not long, f"functions over {MAX_FUNCTION_LINES} lines of code: {long}"
+
+
+def test_the_function_count_skips_the_docstring_comments_and_blanks():
+    def body(n: int, pad: str = "    ") -> str:  # n // 3 three-line statements, then pass
+        lines = "".join(f"{pad}x{i} = (\n{pad}    {i}\n{pad})\n" for i in range(n // 3))
+        return lines + f"{pad}pass\n"
+
+    doc = '    """Doc.\n\n' + "    more\n" * 40 + '    """\n'
+    noise = "    # a comment\n\n" * 30
+    method = f"class C:\n    def g(self):\n{body(6, pad='        ')}"
+    src = f"def f():\n{doc}{noise}{body(78)}\n{method}"
+    # f: its def line, 26 three-line statements and a pass; C.g: the def, 2 statements, pass.
+    assert function_lengths(src) == {"f": 80, "C.g": 8}
+    longer = f"def f():\n{doc}{body(78)}    y = 1\n"
+    assert function_lengths(longer) == {"f": 81}
+    nested = "def outer():\n    def inner():\n        return 1\n    return inner\n"
+    assert function_lengths(nested) == {"outer": 4, "outer.inner": 2}
+
+
+def test_no_experiment_file_over_400_lines():
+    long = {}
+    for path in _python_files("experiments"):
+        n = len(path.read_text().splitlines())
+        if n > MAX_EXPERIMENT_LINES:
+            long[str(path.relative_to(REPO))] = n
+    assert not long, f"experiment files over {MAX_EXPERIMENT_LINES} lines: {long}"
+
+
+def test_the_experiment_line_count_catches_a_long_file(tmp_path, monkeypatch):
+    (tmp_path / "experiments" / "results").mkdir(parents=True)
+    (tmp_path / "experiments" / "ok.py").write_text("x = 1\n" * 400)
+    (tmp_path / "experiments" / "long.py").write_text("x = 1\n" * 401)
+    (tmp_path / "experiments" / "results" / "data.py").write_text("x = 1\n" * 999)
+    monkeypatch.setattr(sys.modules[__name__], "REPO", tmp_path)
+    with pytest.raises(AssertionError, match=r"experiments/long.py': 401}"):
+        test_no_experiment_file_over_400_lines()
+
+
+def test_no_frame_reads_and_no_private_optax_attribute():
+    found = {}
+    for path in _python_files("stabljax"):
+        hits = forbidden_strings(path.read_text())
+        if hits:
+            found[str(path.relative_to(REPO))] = hits
+    assert not found, f"frame reads or private optax attributes: {found}"
+
+
+def test_the_forbidden_strings_are_caught():
+    assert forbidden_strings("f = sys._getframe(1).f_locals") == ["sys._getframe", "_getframe"]
+    assert forbidden_strings("from sys import _getframe") == ["_getframe"]
+    assert forbidden_strings("inspect.currentframe().f_back") == ["inspect.currentframe"]
+    assert forbidden_strings("for f in inspect.stack():") == ["inspect.stack"]
+    assert forbidden_strings('getattr(ms, "_should_skip_update_fn")') == ["_should_skip_update_fn"]
+    assert forbidden_strings("optax.MultiSteps(opt, k, should_skip_update_fn=fn)") == []
+
+
+def test_no_module_aliases_and_no_unused_reexports():
+    modules = set(_modules())
+    found = []
+    for path in _python_files("stabljax", "experiments", "tests", "examples"):
+        src = path.read_text()
+        where = path.relative_to(REPO)
+        found += [f"{where}: {a}" for a in module_aliases(src, modules)]
+        if path.name != "__init__.py":
+            found += [f"{where}: {r}" for r in unused_reexports(src)]
+    assert not found, "\n".join(found)
+
+
+def test_the_alias_and_reexport_checks_catch_what_they_forbid():
+    modules = {"stabljax", "stabljax.metrics", "stabljax.optim", "stabljax.optim.adam"}
+    src = (
+        "from stabljax import metrics as keys\n"
+        "import stabljax.optim.adam as a\n"
+        "from stabljax import metrics\n"
+        "import stabljax.optim.adam as adam\n"
+        "from stabljax.metrics import LOSS as L\n"  # a name, not a module: not an alias
+        "import numpy as np\n"
+    )
+    assert module_aliases(src, modules) == [
+        "from stabljax import metrics as keys",
+        "import stabljax.optim.adam as a",
+    ]
+    src = (
+        "from stabljax.report.read import load_run as load_run\n"
+        "from stabljax.metrics import LOSS as LOSS\n"
+        "from stabljax import metrics as metrics\n"
+        "print(LOSS, metrics.GRAD_NORM)\n"
+    )
+    assert unused_reexports(src) == ["from stabljax.report.read import load_run as load_run"]

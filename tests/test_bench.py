@@ -7,6 +7,7 @@ end to end and records the numbers its table reports.
 import importlib
 import json
 
+import gcs
 import pytest
 
 BENCHES = {
@@ -19,6 +20,7 @@ BENCHES = {
     "triage": ("ratios", "targets", "samples"),
     "guard_streams": ("per_stream", "ratios", "targets"),
     "adoption": ("seconds", "save_ms", "ratios", "targets", "n_params"),
+    "fast_tier": ("seconds", "restored_steps", "ratios", "targets", "n_params"),
 }
 RATIOS = {
     "optimizer_update": (
@@ -55,6 +57,7 @@ RATIOS = {
         "trainer_handover_background/without",
         "bare_loop_async/bare",
     ),
+    "fast_tier": ("fast_save/bucket_save", "fast_rollback/bucket_rollback"),
     "guard_streams": (
         "stabljax_bad_max",
         "stabljax_nan_seeds_max",
@@ -71,11 +74,13 @@ SLOW = {"train_step", "controller", "triage", "guard_streams", "adoption"}
     [pytest.param(n, marks=pytest.mark.slow) if n in SLOW else n for n in BENCHES],
 )
 def test_quick_run_writes_results(name, tmp_path):
+    if name == "fast_tier" and gcs.binary() is None:
+        pytest.skip("no fake-gcs-server binary for this platform (the bench's bucket)")
     mod = importlib.import_module(f"experiments.bench.{name}")
     returned = mod.main(["--quick", "--out", str(tmp_path), "--no-progress"])
 
     payload = json.loads((tmp_path / f"{name}.json").read_text())
-    assert set(payload) == {"command", "config", "environment", "results", "wall_s"}
+    assert set(payload) == {"command", "config", "environment", "library", "results", "wall_s"}
     assert payload["command"].startswith(f"python -m experiments.bench.{name} --quick")
     results = payload["results"]
     for key in BENCHES[name]:

@@ -48,7 +48,7 @@ from stabljax.control import (
     TrainingDiverged,
     read_events,
 )
-from stabljax.optim.guards import skip_nonfinite, skip_spikes
+from stabljax.optim.guards.skips import skip_nonfinite, skip_spikes
 
 STATE0, STEP = toy_problem()
 

@@ -9,12 +9,14 @@ import grain
 import numpy as np
 import pytest
 
-from stabljax.control.data import (
+from stabljax.control.data.grain_iterators import (
     GrainDatasetIterator,
     GrainLoaderIterator,
+    as_data_iterator,
+)
+from stabljax.control.data.iterators import (
     IndexedBatches,
     PlainIterator,
-    as_data_iterator,
     first_allowed,
     merge_ranges,
 )

@@ -12,10 +12,14 @@ import numpy as np
 import optax
 import pytest
 
-from stabljax.control.detectors import Detector, SpikeDetector
-from stabljax.control.drift import DivergenceDetector, SlowDivergenceDetector, default_detectors
-from stabljax.control.trends import mann_kendall, mann_kendall_hamed_rao, sen_slope
-from stabljax.optim.guards import any_skipped, skip_nonfinite, skip_spikes, skip_streak
+from stabljax.control.detect.detectors import Detector, SpikeDetector
+from stabljax.control.detect.drift import (
+    DivergenceDetector,
+    SlowDivergenceDetector,
+    default_detectors,
+)
+from stabljax.control.detect.trends import mann_kendall, mann_kendall_hamed_rao, sen_slope
+from stabljax.optim.guards.skips import any_skipped, skip_nonfinite, skip_spikes, skip_streak
 
 
 def _median_mad_reference(xs):

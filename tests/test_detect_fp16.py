@@ -26,7 +26,7 @@ from stabljax.control import (
     SpikeDetector,
     TrainingDiverged,
 )
-from stabljax.optim.guards import skip_nonfinite
+from stabljax.optim.guards.skips import skip_nonfinite
 
 V = 16
 NAN_TOKEN = V - 1  # never produced by the batch generator below

@@ -24,7 +24,7 @@ import toy
 from helpers import host
 
 from stabljax.control import IndexedBatches, RollbackController
-from stabljax.control.integrity import (
+from stabljax.control.checkpoint.integrity import (
     ENV_KEY,
     META_VERSION,
     CheckpointKeyError,
@@ -33,9 +33,9 @@ from stabljax.control.integrity import (
     leaf_digests,
     meta_digest,
 )
-from stabljax.control.items import data_item
-from stabljax.control.policy import Ledger
-from stabljax.control.store import CheckpointStore
+from stabljax.control.checkpoint.items import data_item
+from stabljax.control.checkpoint.store import CheckpointStore
+from stabljax.control.decide.policy import Ledger
 
 KEY = "correct horse battery staple"
 KW = dict(save_every=10, keep=3, rollback_margin=5, async_save=False, verify="digest")

@@ -10,8 +10,11 @@ import signal
 
 import numpy as np
 import pytest
+from toy import batch_fn_factory, toy_problem
 
-from stabljax.control.data import as_data_iterator
+from stabljax.control import IndexedBatches, RollbackController
+from stabljax.control.data.grain_iterators import as_data_iterator
+from stabljax.control.detect.detectors import Detection
 from stabljax.control.errors import (
     CheckpointMismatch,
     CheckpointSaveError,
@@ -64,3 +67,49 @@ def test_warn_points_at_the_callers_line_directly_and_through_stabljax():
         line = inspect.currentframe().f_lineno + 1
         as_data_iterator(iter(range(3)))  # warns two calls deep inside stabljax
     assert [(w.filename, w.lineno) for w in got] == [(__file__, line)]
+
+
+class _WarnAt:
+    """A detector whose only finding is a ``"warn"`` at one step."""
+
+    name = "warn_at"
+    keys = ("loss",)
+
+    def __init__(self, at: int):
+        self.at = at
+
+    def update(self, step, metrics):
+        if step != self.at:
+            return None
+        return Detection("spike", step, step, "warn", "look at step 3", 0.0)
+
+    def active_onset(self):
+        return None
+
+    def get_state(self):
+        return {}
+
+    def set_state(self, state):
+        pass
+
+
+def test_the_controllers_warnings_point_at_the_callers_line(tmp_path):
+    # Each call site in stabljax passes its depth below the public entry point: a foreign
+    # step folder (restore_or_init) and a detector's "warn" (ctl.step) land on these lines.
+    state, step = toy_problem()
+    with RollbackController(tmp_path, save_every=100, async_save=False) as ctl:
+        ctl.restore_or_init(state, IndexedBatches(batch_fn_factory()))  # a run: checkpoint 0
+    (tmp_path / "123").mkdir()  # named like a step, not a checkpoint
+    (tmp_path / "123" / "notes.txt").write_text("mine")
+    ctl = RollbackController(tmp_path, save_every=100, detectors=[_WarnAt(3)], async_save=False)
+    with ctl:
+        with pytest.warns(RuntimeWarning, match="named like a checkpoint step") as got:
+            line = inspect.currentframe().f_lineno + 1
+            state, data = ctl.restore_or_init(state, IndexedBatches(batch_fn_factory()))
+        assert [(w.filename, w.lineno) for w in got] == [(__file__, line)]
+        with pytest.warns(RuntimeWarning, match="look at step 3") as got:
+            for _ in range(6):
+                state, metrics = step(state, next(data))
+                line = inspect.currentframe().f_lineno + 1
+                state, data = ctl.step(state, metrics, data)
+        assert [(w.filename, w.lineno) for w in got] == [(__file__, line)]

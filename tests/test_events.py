@@ -16,6 +16,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from stabljax.control.checkpoint.fsutil import UnsafePathError
+from stabljax.control.checkpoint.jsonio import MalformedJSONError, MalformedLineWarning
 from stabljax.control.events import (
     EVENT_KINDS,
     SCHEMA_VERSION,
@@ -27,8 +29,6 @@ from stabljax.control.events import (
     load_events,
     read_events,
 )
-from stabljax.control.fsutil import UnsafePathError
-from stabljax.control.jsonio import MalformedJSONError, MalformedLineWarning
 
 ROOT = pathlib.Path(__file__).parent.parent
 

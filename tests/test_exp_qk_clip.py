@@ -27,7 +27,7 @@ def test_qk_clip(tmp_path):
         assert g["best_lr"] == g["lrs"][int(np.argmin(g["score"]))]
         assert all(r["mechanism_moved"] is None for r in s["remedies"].values())
     for r in s["remedies"].values():
-        assert 0 < r["p_sign_flip"] <= r["p_holm"] <= 1
+        assert r["test"] == "paired_t" and 0 <= r["p_test"] <= r["p_holm"] <= 1
     for r in res["rows"]:
         if r["arm"] != "qk_clip":
             assert r["clipped_head_steps"] == 0

@@ -1,13 +1,17 @@
 """``python -m experiments.spike_recovery --quick``: what it writes and what it must show;
-the Slingshot task's pieces; the repeated-n-gram filter of :mod:`experiments.faults`."""
+the LM task's spike criterion and the equal-compute bookkeeping (:mod:`experiments.lm_spikes`,
+:mod:`experiments.equal_compute`); the Slingshot task's pieces (the old main job, kept for
+``experiments/bench/detectors.py``); the repeated-n-gram filter of :mod:`experiments.faults`."""
 
+import json
+import math
 import types
 
 import numpy as np
 import pytest
 from experiment_runs import run_quick
 
-from experiments import faults, slingshot, spike_recovery
+from experiments import equal_compute, faults, lm_spikes, slingshot, spike_recovery, stats
 
 FIGURES = ("loss.png", "effects.png")
 
@@ -93,6 +97,46 @@ def test_kept_trajectory_follows_the_last_replay():
     assert slingshot.kept_losses(calls[:6], got[:6]).tolist() == [0.0, 10.0, 50.0]
 
 
+def test_rises_and_the_spike_criterion_on_hand_built_losses():
+    x = [5.0, 4.0, 3.0, 3.0, 3.0, 4.5, 3.0, float("nan"), 3.0]
+    # window 3: step i minus the median of the finite ones among the (up to) 3 before it
+    want = [0.0, -1.0, 3.0 - 4.5, 3.0 - 4.0, 0.0, 1.5, 0.0, math.inf, 3.0 - 3.75]
+    assert lm_spikes.rises(x, window=3).tolist() == pytest.approx(want)
+    assert lm_spikes.spikes(x, nats=1.0, window=3) == [5, 7]
+    assert lm_spikes.spikes(x, nats=1.5, window=3) == [7]  # 1.5 is not above 1.5
+    assert lm_spikes.SPIKE_NATS == 1.0 and lm_spikes.FAILURE_LR == 1.0
+
+
+def test_rollback_rises_follow_the_executed_calls_and_the_events():
+    # calls train steps 0..5, a rollback seen after call 6 (onset 4, detected 5) restores 2
+    # and replays 2, 3; a second rollback, seen after call 8, has onset 3, detected 3.
+    calls = [0, 1, 2, 3, 4, 5, 2, 3]
+    losses = np.array([3.0, 3.0, 3.0, 3.0, 5.0, 3.5, 3.0, 3.2])
+    ev = {"kind": "rollback", "onset": 4, "step": 5, "reason": "r1"}
+    det = {"kind": "spike", "action": "rollback", "step": 5, "onset": 4}
+    ev2 = {"kind": "rollback", "onset": 3, "step": 3, "reason": "r2"}
+    out = equal_compute.rollback_rises(calls, losses, [(6, det), (6, ev), (8, ev2)])
+    assert [o["call"] for o in out] == [6, 8] and out[0]["kinds"] == ["spike"]
+    assert out[0]["rise"] == pytest.approx(2.0)  # call 4: 5.0 - median(3, 3, 3, 3)
+    # the second: step 3's last call before it is call 7 (3.2), median of calls 0..6 is 3.0
+    assert out[1]["rise"] == pytest.approx(0.2) and out[1]["kinds"] == []
+
+
+def test_record_counts_every_executed_call_and_scores_a_divergence():
+    r = equal_compute.record(
+        [2.0, 4.0, float("inf")],
+        2.5,
+        rollbacks=[{"rise": 0.3}, {"rise": 1.5}, {"rise": 1.0}],
+    )
+    assert r["steps_executed"] == 3 and r["rollbacks"] == 3
+    assert r["rollbacks_below_criterion"] == 2  # 0.3 and 1.0 (not above 1 nat)
+    assert r["mean_train"] == pytest.approx((2.0 + 4.0 + math.log(256)) / 3)
+    assert not r["diverged"]
+    assert equal_compute.record([2.0], float("nan"))["diverged"]
+    assert equal_compute.record([2.0], 6.0)["diverged"]  # above ln 256: worse than uniform
+    assert equal_compute.record([2.0], 2.0, gave_up=True)["diverged"]
+
+
 def test_results_go_to_the_run_folder_unless_committed():
     assert spike_recovery.output_argv(["--quick"]) == ["--quick", "--out", "runs/spike_recovery"]
     assert spike_recovery.output_argv(["--commit-results"]) == []
@@ -101,29 +145,78 @@ def test_results_go_to_the_run_folder_unless_committed():
 
 def test_spike_recovery(tmp_path):
     res, cfg, s = run_quick("spike_recovery", tmp_path, figures=FIGURES, script=True)
-    arms = res["arms"]
-    assert set(arms) == set(spike_recovery.ARMS)
-    seeds = cfg["seeds"]
-    for arm, a in arms.items():
-        assert len(a["rollbacks_per_seed"]) == len(seeds)
+    ec = s["equal_compute"]
+    assert res["equal_compute"] == ec and set(ec) == set(spike_recovery.ARMS)
+    top = json.loads((tmp_path / "spike_recovery" / "results.json").read_text())
+    assert top["equal_compute"] == ec and top["task"] == s["task"]
+    assert top["healthy_rollbacks_per_1000"] == s["healthy_rollbacks_per_1000"]
+    assert {"unguarded", "best_fixed_lr", "cosine"} <= set(ec)
+    assert s["failure_made_by_model"] is True and "Transformer" in s["task"]
+    assert "corpus" in s["task"]
+    n = len(cfg["seeds"])
+    for arm, a in ec.items():
+        for key in ("final_heldout", "steps_executed", "rollbacks", "rollbacks_below_criterion"):
+            assert len(a[key]) == n, (arm, key)
+        assert all(isinstance(d, bool) for d in a["diverged"])
+        # equal compute: every arm the same number of train-step calls (none gave up here)
+        assert a["steps_executed"] == [cfg["steps"]] * n or any(a["gave_up"]), arm
+        for rises, k, below in zip(
+            a["rollback_rises"], a["rollbacks"], a["rollbacks_below_criterion"], strict=True
+        ):
+            assert len(rises) == k and below == sum(r <= lm_spikes.SPIKE_NATS for r in rises)
         if arm not in spike_recovery.CONTROLLED:
-            assert a["rollbacks_per_seed"] == [0] * len(seeds)
-    for r in res["runs"]:
-        assert len(r["kept_losses"]) == cfg["steps"] or r["gave_up"]
-        assert r["compute_steps"] == cfg["steps"] + r["steps_lost"]
-        if not r["gave_up"]:
-            tail = np.asarray(r["kept_losses"][cfg["metric_from"] :], float)
-            assert r["primary"] == pytest.approx(float(np.mean(tail)), rel=1e-3)
-        if r["arm"] == "lower_lr":
-            assert r["final_lr"] == pytest.approx(cfg["lr"] * cfg["lower_lr_factor"])
-        if r["arm"] == "remedy":
-            assert r["remedies"] == r["rollbacks"]
-            want = cfg["lr"] * cfg["remedy_factor"] ** r["rollbacks"]
-            assert r["final_lr"] == pytest.approx(want, rel=1e-5)
-    assert s["primary_metric"] == spike_recovery.PRIMARY
-    assert set(s["remedies"]) == {
-        f"{a} @ lr {cfg['lr']:g}, d{cfg['d_model']}x{cfg['n_layers']}"
-        for a in spike_recovery.REMEDIES
-    }
-    assert s["failure_made_by_model"] is True
-    assert s["lr_grid"]["lrs"] == sorted(cfg["scan_lrs"]) and s["lr_grid"]["main_lr"] == cfg["lr"]
+            assert a["rollbacks"] == [0] * n
+    runs = {(r["arm"], r["seed"]): r for r in res["runs"]}
+    for r in runs.values():
+        x = np.array([float(v) for v in r["losses"]])
+        assert len(x) == r["steps_executed"]
+        assert r["mean_train"] == pytest.approx(
+            np.mean(np.where(np.isfinite(x), x, math.log(256))), rel=1e-3
+        )
+    healthy = ec["best_lr_rollback"]
+    want = 1000 * sum(healthy["rollbacks"]) / sum(healthy["steps_executed"])
+    assert s["healthy_rollbacks_per_1000"] == pytest.approx(want)
+    # the family: 12 comparisons, paired t p-values, Holm over all of them, recomputed here
+    fam = s["remedies"]
+    assert len(fam) == len(spike_recovery.COMPARISONS) == s["family_size"] == 12
+    raw = [stats.paired_t_p(r["per_seed"]) for r in fam.values()]
+    for r, p, adj in zip(fam.values(), raw, stats.holm(raw), strict=True):
+        assert r["test"] == "paired_t"
+        assert r["p_test"] == pytest.approx(p, nan_ok=True)
+        assert r["p_holm"] == pytest.approx(adj, nan_ok=True)
+    held = {a: np.array(ec[a]["final_heldout"], float) for a in ec}
+    held = {a: np.where(np.isfinite(v), v, math.log(256)) for a, v in held.items()}
+    for a, b in spike_recovery.COMPARISONS:  # results.json sorts its keys: find each by name
+        (k,) = [k for k in fam if k.startswith(f"{a} − {b} @ lr ")]
+        assert fam[k]["per_seed"] == pytest.approx((held[a] - held[b]).tolist()), k
+    g = s["lr_grid"]
+    assert g["seeds"] == len(cfg["scan_seeds"]) >= 3 and g["lrs"] == sorted(cfg["scan_lrs"])
+    assert s["p_floor_sign_flip"] == 2 / 2**n
+
+
+def test_a_given_up_run_is_scored_on_its_last_kept_state(tmp_path):
+    """The controller gives up (max_rollbacks 0) on a NaN loss from step 12 on; the run is
+    scored on the newest save-boundary state at or before that onset (step 10, saves every
+    5), recomputed here by training 10 steps by hand: not the initial state, not the last."""
+    import dataclasses
+
+    import jax.numpy as jnp
+
+    cfg = dataclasses.replace(spike_recovery.Config.quick(), steps=30, max_rollbacks=0)
+    progs = equal_compute.Programs(cfg)
+    clean = progs.steps["plain"]
+
+    def poisoned(state, batch):
+        new, m = clean(state, batch)
+        return new, dict(m, loss=jnp.where(state.step >= 12, jnp.nan, m["loss"]))
+
+    progs.steps["plain"] = poisoned
+    r = equal_compute.run_controlled(cfg, progs, 0, 1e-2, tmp_path / "ckpt", remedy=False)
+    assert r["gave_up"] and r["diverged"] and r["rollbacks"] == 0
+    assert 13 <= r["steps_executed"] < cfg.steps  # stopped once the NaN was seen
+    state, fn = progs.state("plain", 0, 1e-2), progs.task.batches(0)
+    for i in range(10):
+        state, _ = clean(state, fn(i))
+    want = progs.evaluate(state.params)
+    assert r["final_heldout"] == pytest.approx(want, rel=1e-5)
+    assert want != pytest.approx(progs.evaluate(progs.state("plain", 0, 1e-2).params), rel=1e-4)

@@ -15,7 +15,7 @@ from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import stabljax
-from stabljax.optim.guards import (
+from stabljax.optim.guards.skips import (
     SkipNonfiniteState,
     SkipSpikesState,
     SpikeRule,

@@ -1,4 +1,4 @@
-"""Tests for stabljax.optim.guards: skip_nonfinite, skip_spikes, any_skipped, skip_streak."""
+"""Tests for stabljax.optim.guards.skips: skip_nonfinite, skip_spikes, any_skipped, skip_streak."""
 
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ from helpers import (
 )
 
 import stabljax
-from stabljax.optim.guards import (
+from stabljax.optim.guards.skips import (
     SkipNonfiniteState,
     SkipSpikesState,
     any_skipped,
@@ -839,13 +839,13 @@ def test_spike_rebaselines_reads_nested_guards_and_reaches_the_step_metrics():
     step = jit_update(opt)
     params, g = {"w": jnp.ones((2,))}, {"w": jnp.ones((2,))}
     state = opt.init(params)
-    assert int(stabljax.optim.guards.spike_rebaselines(state)) == 0
+    assert int(stabljax.optim.guards.skips.spike_rebaselines(state)) == 0
     counts = []
     for loss in _shifted_losses(2.0, n_after=4):
         _, state = step(g, state, params, value=loss)
-        counts.append(int(stabljax.optim.guards.spike_rebaselines(state)))
+        counts.append(int(stabljax.optim.guards.skips.spike_rebaselines(state)))
     assert counts == [0] * 61 + [1] * 3  # the 2nd agreeing spike re-baselines
-    assert int(stabljax.optim.guards.spike_rebaselines(optax.sgd(0.1).init(params))) == 0
+    assert int(stabljax.optim.guards.skips.spike_rebaselines(optax.sgd(0.1).init(params))) == 0
 
     def loss_fn(p, batch, **_):
         return batch + 0.0 * jnp.sum(p["w"]), {}  # the loss is the batch: the stream

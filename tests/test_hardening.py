@@ -33,16 +33,20 @@ from stabljax.control import (
     RollbackController,
     read_events,
 )
-from stabljax.control.fsutil import UnsafePathError, atomic_write_text, refuse_symlinks
-from stabljax.control.integrity import meta_digest
-from stabljax.control.jsonio import (
+from stabljax.control.checkpoint.fsutil import (
+    DirectoryLock,
+    UnsafePathError,
+    atomic_write_text,
+    refuse_symlinks,
+)
+from stabljax.control.checkpoint.integrity import meta_digest
+from stabljax.control.checkpoint.jsonio import (
     MalformedJSONError,
     MalformedLineWarning,
     loads_strict,
     read_meta,
     read_rollback_record,
 )
-from stabljax.control.session import DirectoryLock
 from stabljax.report import load_run, write_report
 
 ROOT = pathlib.Path(__file__).parent.parent

@@ -1,4 +1,4 @@
-"""stabljax.control.monitor: what is fetched from the device, what the detectors see, the
+"""stabljax.control.detect.monitor: what is fetched from the device, what the detectors see, the
 loss EMA, the recent losses and the monitor's part of a checkpoint.
 
 That the controller hands the monitor a step's metrics one step late (so the device is
@@ -13,8 +13,8 @@ import numpy as np
 import pytest
 from helpers import CountedReads
 
-from stabljax.control.detectors import Detection
-from stabljax.control.monitor import EMA_DECAY, Monitor
+from stabljax.control.detect.detectors import Detection
+from stabljax.control.detect.monitor import EMA_DECAY, Monitor
 
 
 class _Threshold:

@@ -19,7 +19,7 @@ import pytest
 from helpers import mesh8, shard_leading
 
 import stabljax
-from stabljax.optim.guards import any_skipped, skip_nonfinite, skip_spikes
+from stabljax.optim.guards.skips import any_skipped, skip_nonfinite, skip_spikes
 
 N = 12  # micro-batches
 NAN_AT = 5  # the NaN micro-batch: inside the third window for k = 2
@@ -135,16 +135,55 @@ UNSAFE = {
 }
 
 
+# The placements with a guard around the MultiSteps: that guard's own init refuses them.
+GUARD_AROUND = {"loss-only guard outside"}
+
+
+def _says_what_to_do(err: pytest.ExceptionInfo) -> None:
+    msg = str(err.value)
+    assert "should_skip_update_fn=stabljax.skip_nonfinite_micro_batch" in msg
+    assert "should_skip_update_fn=optax.skip_not_finite" in msg
+    assert "(optax.MultiSteps(opt, k))" in msg  # the outside placement
+
+
 @pytest.mark.parametrize("k", [1, 2])
 @pytest.mark.parametrize("placement", sorted(UNSAFE))
 def test_unsafe_placement_fails_at_init_saying_what_to_do(placement, k):
     opt = UNSAFE[placement](k)
-    for init in (opt.init, jax.jit(opt.init), functools.partial(jax.eval_shape, opt.init)):
+
+    def create(params):
+        return stabljax.TrainState.create(params, opt)
+
+    for init in (create, jax.jit(create), functools.partial(jax.eval_shape, create)):
         with pytest.raises(ValueError, match="inside optax.MultiSteps") as err:
             init(_params())
-        msg = str(err.value)
-        assert "should_skip_update_fn=stabljax.skip_nonfinite_micro_batch" in msg
-        assert "(optax.MultiSteps(opt, k))" in msg  # the outside placement
+        _says_what_to_do(err)
+    if placement in GUARD_AROUND:
+        for init in (opt.init, jax.jit(opt.init), functools.partial(jax.eval_shape, opt.init)):
+            with pytest.raises(ValueError, match="inside optax.MultiSteps") as err:
+                init(_params())
+            _says_what_to_do(err)
+        return
+    # optax.MultiSteps.init does not tell its inner init where it sits: a hand-made state
+    # is refused by the first stabljax call that sees it whole, the step or any_skipped.
+    opt_state = opt.init(_params())
+    for read in (any_skipped, jax.jit(any_skipped)):
+        with pytest.raises(ValueError, match="inside optax.MultiSteps") as err:
+            read(opt_state)
+        _says_what_to_do(err)
+    state = stabljax.TrainState(
+        step=jnp.zeros([], jnp.int32), params=_params(), opt_state=opt_state
+    )
+    step = stabljax.make_train_step(lambda p, t: (_loss(p, t), None), opt)
+    with pytest.raises(ValueError, match="inside optax.MultiSteps") as err:
+        step(state, jnp.asarray(TARGETS[0]))
+    _says_what_to_do(err)
+
+
+@pytest.mark.parametrize("placement", sorted(SAFE))
+def test_safe_placement_creates_a_train_state(placement):
+    state = stabljax.TrainState.create(_params(), SAFE[placement](2))
+    assert not bool(any_skipped(state.opt_state))
 
 
 def test_guard_outside_keeps_the_inner_state_readable_the_optax_way():

@@ -10,7 +10,7 @@ import optax
 import pytest
 
 from stabljax.optim.clipping import clip_by_percentile, clip_by_zscore
-from stabljax.optim.guards import any_skipped, skip_nonfinite, skip_spikes
+from stabljax.optim.guards.skips import any_skipped, skip_nonfinite, skip_spikes
 
 
 def params():

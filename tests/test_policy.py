@@ -1,4 +1,4 @@
-"""The controller's pure decisions (stabljax.control.policy): no Orbax, no JAX, microseconds."""
+"""The controller's pure decisions (control.decide.policy): no Orbax, no JAX, microseconds."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import pathlib
 
 import pytest
 
-from stabljax.control import policy
+from stabljax.control.decide import policy
 
 
 def test_policy_imports_no_orbax_no_jax_no_io():

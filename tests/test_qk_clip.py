@@ -13,7 +13,7 @@ from helpers import mesh8
 from jax.sharding import NamedSharding, PartitionSpec
 
 import stabljax
-from stabljax.optim.guards import skip_nonfinite, skip_spikes
+from stabljax.optim.guards.skips import skip_nonfinite, skip_spikes
 from stabljax.optim.qk_clip import (
     QKHeads,
     QKLayer,

@@ -1,4 +1,4 @@
-"""The README's training loop (tests/readme_loop.py) runs, trains, and stays short."""
+"""The train-step guide's whole loop (tests/readme_loop.py) runs, trains, and stays short."""
 
 from __future__ import annotations
 
@@ -13,11 +13,11 @@ from flax import nnx
 from stabljax.reference.nn import TransformerLM
 
 LOOP = pathlib.Path(__file__).with_name("readme_loop.py")
-README = pathlib.Path(__file__).resolve().parents[1] / "README.md"
+GUIDE = pathlib.Path(__file__).resolve().parents[1] / "docs" / "guides" / "train_step.md"
 
 
-def test_readme_shows_the_loop_verbatim():
-    text = README.read_text()
+def test_the_guide_shows_the_loop_verbatim():
+    text = GUIDE.read_text()
     section = text[text.index("## The whole loop") :]
     block = section[section.index("```python\n") + len("```python\n") :]
     assert block[: block.index("```")] == LOOP.read_text()
@@ -25,7 +25,7 @@ def test_readme_shows_the_loop_verbatim():
 
 def test_readme_loop_trains_the_reference_model(capsys):
     lines = LOOP.read_text().splitlines()
-    assert len(lines) <= 25, "the README promises the whole loop in 25 lines or fewer"
+    assert len(lines) <= 25, "the guide promises the whole loop in 25 lines or fewer"
 
     scope = runpy.run_path(str(LOOP), run_name="readme_loop")
 

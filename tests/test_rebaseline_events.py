@@ -21,9 +21,9 @@ from stabljax.control import (
     RollbackController,
     read_events,
 )
-from stabljax.control.monitor import Monitor
-from stabljax.optim.guards import skip_nonfinite, skip_spikes
-from stabljax.report import page
+from stabljax.control.detect.monitor import Monitor
+from stabljax.optim.guards.skips import skip_nonfinite, skip_spikes
+from stabljax.report import page, read
 from stabljax.step import TrainState
 
 SHIFT_AT = 55  # data index where the loss level triples for good
@@ -112,9 +112,9 @@ def test_rebaseline_event_names_the_step_the_guard_reports(tmp_path, rises):
     assert event.details["loss"] == pytest.approx(3.0, rel=0.05)  # the new level
     assert event.details["recent"][-1][0] == event.step
     lines = (tmp_path / "events.jsonl").read_text().splitlines()
-    assert all(json.loads(line)["schema"] == SCHEMA_VERSION == "1.1" for line in lines)
+    assert all(json.loads(line)["schema"] == SCHEMA_VERSION == "1.2" for line in lines)
     # The run report lists it in its summary.
-    summary = page.summary(page.load_run(tmp_path))
+    summary = page.summary(read.load_run(tmp_path))
     assert summary["level shifts the guards accepted (rebaseline)"] == f"step {rises[0][0]}"
 
 

@@ -27,7 +27,7 @@ from stabljax.control import (
     reset_second_moment,
     scale_hyperparam,
 )
-from stabljax.control.remedies import describe
+from stabljax.control.decide.remedies import describe
 
 INFO = RollbackInfo(step=30, onset=35, rollbacks=1, skip=(30, 40), kinds=("spike",))
 LR = 0.05

@@ -13,12 +13,12 @@ import random
 import jax.numpy as jnp
 import pytest
 
-from stabljax.control.data import IndexedBatches
-from stabljax.control.integrity import META_VERSION, fingerprint
-from stabljax.control.items import data_item
-from stabljax.control.policy import Ledger, best_step
-from stabljax.control.retention import Retention
-from stabljax.control.store import CheckpointStore
+from stabljax.control.checkpoint.integrity import META_VERSION, fingerprint
+from stabljax.control.checkpoint.items import data_item
+from stabljax.control.checkpoint.retention import Retention
+from stabljax.control.checkpoint.store import CheckpointStore
+from stabljax.control.data.iterators import IndexedBatches
+from stabljax.control.decide.policy import Ledger, best_step
 
 
 def kept_steps(steps, *, keep, best, resume_only=()):

@@ -1,5 +1,5 @@
 """The ledger, the crash record, the give-up message, the rollback decision
-(stabljax.control.policy, re-exported by stabljax.control.rollback) and the data position
+(stabljax.control.decide.policy, re-exported by stabljax.control.resume) and the data position
 (DataIterator.restore), against hand-computed expectations.
 
 Resume and the rollback executor, which need Orbax, run in test_controller.py.
@@ -12,19 +12,19 @@ import warnings
 
 import pytest
 
-from stabljax.control.data import IndexedBatches, PlainIterator
-from stabljax.control.detectors import Detection
-from stabljax.control.jsonio import MalformedJSONError
-from stabljax.control.rollback import (
+from stabljax.control.checkpoint.jsonio import MalformedJSONError
+from stabljax.control.checkpoint.store import RECORD
+from stabljax.control.data.iterators import IndexedBatches, PlainIterator
+from stabljax.control.decide.policy import (
     ADVICE,
     HISTORY,
-    RECORD,
     Ledger,
     decide,
     diverged_message,
     losses_before,
-    read_record,
 )
+from stabljax.control.detect.detectors import Detection
+from stabljax.control.resume import read_record
 
 
 def _detection(action, step=40, onset=35, reason="loss spike"):

@@ -1,4 +1,4 @@
-"""stabljax.control.screen: screening the batches ahead of a restored position."""
+"""stabljax.control.diagnose.screen: screening the batches ahead of a restored position."""
 
 from __future__ import annotations
 
@@ -11,8 +11,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from stabljax.control.data import GrainDatasetIterator, IndexedBatches, PlainIterator
-from stabljax.control.screen import can_screen, screen_ahead
+from stabljax.control.data.grain_iterators import GrainDatasetIterator
+from stabljax.control.data.iterators import IndexedBatches, PlainIterator
+from stabljax.control.diagnose.screen import can_screen, screen_ahead
 
 BAD = range(10, 16)
 
@@ -98,16 +99,18 @@ def test_what_cannot_be_screened_and_bad_arguments():
         warnings.simplefilter("ignore", RuntimeWarning)
         plain = PlainIterator(iter(range(10)))
     assert not can_screen(plain) and can_screen(_indexed(0)) and can_screen(_grain(0))
+    # A plain iterator is read ahead instead (tests/test_read_ahead.py); an iterator with
+    # no position to read ahead from cannot be screened at all.
     with pytest.raises(ValueError, match="cannot be screened"):
-        screen_ahead(step, state0(), plain, is_anomalous=anomalous, max_skip=3)
+        screen_ahead(step, state0(), iter(range(10)), is_anomalous=anomalous, max_skip=3)
     for bad in (0, -1, 2.5, True):
         with pytest.raises(ValueError, match="max_skip"):
             screen_ahead(step, state0(), _indexed(0), is_anomalous=anomalous, max_skip=bad)
 
 
 def test_extending_a_plan_extends_its_skip_ledger_and_entry():
-    from stabljax.control.detectors import Detection
-    from stabljax.control.policy import Ledger, RollbackSettings, Skip, Target, plan_rollback
+    from stabljax.control.decide.policy import Ledger, RollbackSettings, Skip, Target, plan_rollback
+    from stabljax.control.detect.detectors import Detection
 
     spike = Detection("spike", 36, 35, "rollback", "loss 9 > 5", 9.0)
     plan = plan_rollback([spike], Ledger(), Target(20, 20, True), 37, RollbackSettings(10, 0, 30))

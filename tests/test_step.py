@@ -17,7 +17,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from stabljax import telemetry
 from stabljax.losses import cross_entropy_with_z_loss
-from stabljax.optim.guards import skip_nonfinite, skip_spikes
+from stabljax.optim.guards.skips import skip_nonfinite, skip_spikes
 from stabljax.precision import DynamicLossScale, Precision
 from stabljax.reference.corpus import default_corpus, lm_batch_fn
 from stabljax.step import (

@@ -14,7 +14,7 @@ from flax import nnx
 from helpers import assert_bitwise_equal, host, mesh8
 from jax.sharding import NamedSharding, PartitionSpec
 
-from stabljax.optim.guards import skip_nonfinite
+from stabljax.optim.guards.skips import skip_nonfinite
 from stabljax.precision import DynamicLossScale, Precision
 from stabljax.step import TrainState, lm_loss, make_train_step, nnx_apply, nnx_merge
 

@@ -1,4 +1,4 @@
-"""stabljax.control.store: the checkpoint store on its own (write, read, meta, fingerprint,
+"""control.checkpoint.store: the checkpoint store on its own (write, read, meta, fingerprint,
 verification, corrupt set-aside, retention) and its pure helpers, by hand.
 
 The controller's use of it (when to save, resume, roll back) is in test_controller.py.
@@ -16,9 +16,8 @@ import orbax.checkpoint as ocp
 import pytest
 from helpers import host
 
-from stabljax.control.data import IndexedBatches
-from stabljax.control.errors import CheckpointMismatch
-from stabljax.control.integrity import (
+from stabljax.control.checkpoint.fsutil import atomic_write_json
+from stabljax.control.checkpoint.integrity import (
     META_VERSION,
     check_compatible,
     describe_mismatch,
@@ -26,15 +25,12 @@ from stabljax.control.integrity import (
     leaf_specs,
     meta_digest,
 )
-from stabljax.control.items import data_item
-from stabljax.control.policy import Ledger
-from stabljax.control.store import (
-    CORRUPT,
-    CheckpointStore,
-    atomic_write_json,
-    host_scalars,
-    try_everywhere,
-)
+from stabljax.control.checkpoint.items import data_item
+from stabljax.control.checkpoint.store import CORRUPT, CheckpointStore, try_everywhere
+from stabljax.control.data.iterators import IndexedBatches
+from stabljax.control.decide.policy import Ledger
+from stabljax.control.errors import CheckpointMismatch
+from stabljax.control.hosts import host_scalars
 
 # ------------------------------------------------------------------------ fingerprint
 
@@ -284,7 +280,7 @@ def test_a_grain_position_is_read_without_touching_the_live_iterator(store, toy)
     """The store returns Grain's saved state; only DataIterator.restore applies it."""
     import grain
 
-    from stabljax.control.data import as_data_iterator
+    from stabljax.control.data.grain_iterators import as_data_iterator
 
     def make():
         return as_data_iterator(iter(grain.MapDataset.range(1000)))

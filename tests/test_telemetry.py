@@ -12,7 +12,7 @@ from helpers import nested_params, random_grads_like
 
 from stabljax import telemetry
 from stabljax.optim.adam import ScaleBySafeAdamState, safe_adamw
-from stabljax.optim.guards import skip_nonfinite
+from stabljax.optim.guards.skips import skip_nonfinite
 from stabljax.telemetry import (
     adam_eps_report,
     global_norm,

@@ -28,8 +28,8 @@ from stabljax.control import (
     TriageConfig,
     read_events,
 )
-from stabljax.control.data import GrainDatasetIterator
-from stabljax.control.triage import is_spike, robust_spikes, window_indices
+from stabljax.control.data.grain_iterators import GrainDatasetIterator
+from stabljax.control.diagnose.triage import is_spike, robust_spikes, window_indices
 
 WORKER = pathlib.Path(__file__).with_name("triage_worker.py")
 ROOT = pathlib.Path(__file__).parent.parent
@@ -377,7 +377,7 @@ def test_a_sigkill_during_triage_resumes_as_if_triage_had_not_started(tmp_path):
 def test_every_event_line_carries_the_schema_version(tmp_path):
     ctl, _, _ = _run(tmp_path, triage=True, bad=[35])
     lines = (ctl.directory / "events.jsonl").read_text().splitlines()
-    assert lines and all(json.loads(line)["schema"] == SCHEMA_VERSION == "1.1" for line in lines)
+    assert lines and all(json.loads(line)["schema"] == SCHEMA_VERSION == "1.2" for line in lines)
     kinds = {json.loads(line)["kind"] for line in lines}
     assert {"save", "spike", "rollback", "skip", "triage", "restore"} <= kinds
 

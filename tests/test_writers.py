@@ -12,8 +12,8 @@ from toy import batch_fn_factory, toy_problem
 from toy import toy_controller as _controller
 
 from stabljax.control import IndexedBatches, JsonlMetricsWriter
+from stabljax.control.checkpoint.fsutil import UnsafePathError
 from stabljax.control.events import TensorBoardMetricsWriter, host_metrics
-from stabljax.control.fsutil import UnsafePathError
 
 STATE0, STEP = toy_problem()
 

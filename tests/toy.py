@@ -70,7 +70,7 @@ def make_toy(optimizer=None, *, extra: int = 0, donate: bool = False):
     import jax.numpy as jnp
     import optax
 
-    from stabljax.optim.guards import any_skipped, skip_streak
+    from stabljax.optim.guards.skips import any_skipped, skip_streak
 
     opt = optax.with_extra_args_support(optimizer or optax.sgd(0.05))
 

@@ -42,6 +42,8 @@ import shutil
 import statistics
 import tempfile
 import time
+from collections.abc import Callable
+from typing import Any
 from unittest import mock
 
 import jax
@@ -210,6 +212,50 @@ def run_trainers(cfg: Config) -> tuple[list[dict], dict]:
     return rows, results
 
 
+def _controlled_loop(
+    cfg: Config,
+    mode: str,
+    fresh: Callable[[], Any],
+    data_cache: list[Any],
+    save_ms: dict[str, list[float]],
+    step_ms: dict[str, list[float]],
+    profiler: cProfile.Profile | None = None,
+) -> float:
+    """Seconds of ``trainer_after``'s step under a controller in ``mode`` over the cached
+    batches; appends the median extra milliseconds of a saving ``ctl.step`` and of the
+    others to ``save_ms[mode]`` and ``step_ms[mode]``; profiles the saving steps if asked."""
+    directory = tempfile.mkdtemp(prefix="stabljax-bench-adopt-")
+    try:
+        ctl = stabljax.RollbackController(
+            directory, save_every=cfg.save_every, rollback_margin=cfg.save_every, **MODES[mode]
+        )
+        data = stabljax.control.IndexedBatches(lambda i: data_cache[i])
+        state, data = ctl.restore_or_init(fresh(), data)
+        jax.block_until_ready(state)
+        on_save, other = [], []
+        t0 = time.perf_counter()
+        while ctl.current_step < cfg.steps:
+            state, metrics = trainer_after.train_step(state, next(data))
+            due = (ctl.current_step + 1) % cfg.save_every == 0
+            if profiler is not None and due:
+                profiler.enable()
+            t = time.perf_counter()
+            state, data = ctl.step(state, metrics, data)
+            (on_save if due else other).append(time.perf_counter() - t)
+            if profiler is not None and due:
+                profiler.disable()
+        state, data = ctl.finish(state, data)
+        jax.block_until_ready(state)
+        elapsed = time.perf_counter() - t0
+        ctl.close()
+        if on_save and other:
+            save_ms[mode].append(1e3 * (statistics.median(on_save) - statistics.median(other)))
+            step_ms[mode].append(1e3 * statistics.median(other))
+        return elapsed
+    finally:
+        shutil.rmtree(directory, ignore_errors=True)
+
+
 def run_bare(cfg: Config) -> tuple[list[dict], dict]:
     tcfg = trainer_after.Config(steps=cfg.steps)
     n = tcfg.seq_len + 1
@@ -247,36 +293,7 @@ def run_bare(cfg: Config) -> tuple[list[dict], dict]:
     step_ms: dict[str, list[float]] = {k: [] for k in MODES}
 
     def controlled(mode: str, profiler: cProfile.Profile | None = None) -> float:
-        directory = tempfile.mkdtemp(prefix="stabljax-bench-adopt-")
-        try:
-            ctl = stabljax.RollbackController(
-                directory, save_every=cfg.save_every, rollback_margin=cfg.save_every, **MODES[mode]
-            )
-            data = stabljax.control.IndexedBatches(lambda i: data_cache[i])
-            state, data = ctl.restore_or_init(fresh(), data)
-            jax.block_until_ready(state)
-            on_save, other = [], []
-            t0 = time.perf_counter()
-            while ctl.current_step < cfg.steps:
-                state, metrics = trainer_after.train_step(state, next(data))
-                due = (ctl.current_step + 1) % cfg.save_every == 0
-                if profiler is not None and due:
-                    profiler.enable()
-                t = time.perf_counter()
-                state, data = ctl.step(state, metrics, data)
-                (on_save if due else other).append(time.perf_counter() - t)
-                if profiler is not None and due:
-                    profiler.disable()
-            state, data = ctl.finish(state, data)
-            jax.block_until_ready(state)
-            elapsed = time.perf_counter() - t0
-            ctl.close()
-            if on_save and other:
-                save_ms[mode].append(1e3 * (statistics.median(on_save) - statistics.median(other)))
-                step_ms[mode].append(1e3 * statistics.median(other))
-            return elapsed
-        finally:
-            shutil.rmtree(directory, ignore_errors=True)
+        return _controlled_loop(cfg, mode, fresh, data_cache, save_ms, step_ms, profiler)
 
     for mode in MODES:  # warm Orbax's own compilations and threads
         controlled(mode)

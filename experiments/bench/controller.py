@@ -22,6 +22,8 @@ import shutil
 import statistics
 import tempfile
 import time
+from collections.abc import Callable
+from typing import Any
 
 import jax
 
@@ -44,6 +46,46 @@ class Config(ModelSize):
     @classmethod
     def quick(cls) -> Config:
         return cls(**QUICK_SIZE, steps=10, save_every=5, rounds=1)
+
+
+def _controlled_rate(
+    cfg: Config,
+    step: Callable[[Any, Any], tuple[Any, Any]],
+    fresh: Callable[[], Any],
+    batch_fn: Callable[[int], Any],
+    background: bool,
+    finish_s: dict[str, list[float]],
+    with_finish: dict[str, list[float]],
+) -> float:
+    """Steps per second of ``step`` under a controller (``background_save`` as given), the
+    final ``ctl.finish`` left out; appends its seconds to ``finish_s`` and the rate with it
+    to ``with_finish``, under the mode's name."""
+    name = "controlled+background" if background else "controlled"
+    directory = tempfile.mkdtemp(prefix="stabljax-bench-ctl-")
+    try:
+        ctl = stabljax.RollbackController(
+            directory,
+            save_every=cfg.save_every,
+            rollback_margin=cfg.save_every,  # a margin the kept checkpoints can hold
+            background_save=background,
+        )
+        state, data = ctl.restore_or_init(fresh(), stabljax.control.IndexedBatches(batch_fn))
+        jax.block_until_ready(state)
+        t0 = time.perf_counter()
+        while ctl.current_step < cfg.steps:
+            state, metrics = step(state, next(data))
+            state, data = ctl.step(state, metrics, data)
+        jax.block_until_ready(state)
+        t1 = time.perf_counter()
+        state, data = ctl.finish(state, data)
+        jax.block_until_ready(state)
+        t2 = time.perf_counter()
+        ctl.close()
+        finish_s[name].append(t2 - t1)
+        with_finish[name].append(cfg.steps / (t2 - t0))
+        return cfg.steps / (t1 - t0)
+    finally:
+        shutil.rmtree(directory, ignore_errors=True)
 
 
 def run(cfg: Config) -> tuple[list[dict], dict]:
@@ -75,32 +117,7 @@ def run(cfg: Config) -> tuple[list[dict], dict]:
         return cfg.steps / (time.perf_counter() - t0)
 
     def controlled(background: bool) -> float:
-        name = "controlled+background" if background else "controlled"
-        directory = tempfile.mkdtemp(prefix="stabljax-bench-ctl-")
-        try:
-            ctl = stabljax.RollbackController(
-                directory,
-                save_every=cfg.save_every,
-                rollback_margin=cfg.save_every,  # a margin the kept checkpoints can hold
-                background_save=background,
-            )
-            state, data = ctl.restore_or_init(fresh(), stabljax.control.IndexedBatches(batch_fn))
-            jax.block_until_ready(state)
-            t0 = time.perf_counter()
-            while ctl.current_step < cfg.steps:
-                state, metrics = step(state, next(data))
-                state, data = ctl.step(state, metrics, data)
-            jax.block_until_ready(state)
-            t1 = time.perf_counter()
-            state, data = ctl.finish(state, data)
-            jax.block_until_ready(state)
-            t2 = time.perf_counter()
-            ctl.close()
-            finish_s[name].append(t2 - t1)
-            with_finish[name].append(cfg.steps / (t2 - t0))
-            return cfg.steps / (t1 - t0)
-        finally:
-            shutil.rmtree(directory, ignore_errors=True)
+        return _controlled_rate(cfg, step, fresh, batch_fn, background, finish_s, with_finish)
 
     modes = {"controlled": False, "controlled+background": True}
     samples: dict[str, list[float]] = {"bare": [], **{m: [] for m in modes}}

@@ -36,8 +36,6 @@ target: microseconds per ``update`` are reported for the record.
 from __future__ import annotations
 
 import dataclasses
-import json
-import math
 import statistics
 import time
 
@@ -45,8 +43,10 @@ import numpy as np
 
 import stabljax
 from experiments import cli
-from experiments.common import RESULTS, progress_bar
-from stabljax.control.detectors import mann_kendall, sen_slope
+from experiments.bench.detector_baselines import OldSlow, OldSpike
+from experiments.bench.detector_power import model_spikes, spike_power
+from experiments.bench.detector_streams import LEVEL, STD, ar1, block_bootstrap, real_ratios
+from experiments.common import progress_bar
 
 TARGETS = {
     "slow_alarms_per_1e5_phi0.9": 0.0,
@@ -61,14 +61,6 @@ TARGETS = {
     "spike_5x_caught_student_t3": 1.0,
     "spike_5x_caught_lognormal": 1.0,
 }
-LEVEL, STD = 2.0, 0.05
-# Healthy recorded curves: (results folder, path in results.json). The clipping and
-# lr-sensitivity experiments train at unstable learning rates on purpose; left out.
-# init_schemes' embed-LN arm at its lowest LR, seeds 0-2 (200 steps each).
-REAL_CURVES = tuple(("init_schemes", ("losses", f"embed LN@0.00316@{k}")) for k in range(3))
-#: Spike sizes (nats) and lengths (steps) of the power table, added to a falling loss.
-SPIKE_SIZES = (0.3, 0.5, 1.0, 2.0)
-SPIKE_LENGTHS = (1, 5, 20, 50)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -101,108 +93,6 @@ class Config:
             power_trials=3,
             false_series=1,
         )
-
-
-def ar1(n: int, phi: float, std: float, rng: np.random.Generator) -> np.ndarray:
-    """AR(1) noise with marginal std ``std`` (iid for phi = 0), started stationary."""
-    e = rng.standard_normal(n)
-    if phi == 0:
-        return std * e
-    out = np.empty(n)
-    innov = std * math.sqrt(1 - phi * phi)
-    prev = std * e[0]
-    out[0] = prev
-    for t in range(1, n):
-        prev = phi * prev + innov * e[t]
-        out[t] = prev
-    return out
-
-
-def _running(x: np.ndarray, width: int, fn) -> np.ndarray:
-    half = width // 2
-    return np.array([fn(x[max(0, i - half) : i + half + 1]) for i in range(len(x))])
-
-
-def real_ratios(cfg: Config) -> tuple[np.ndarray, list[str]]:
-    """Recorded healthy losses over their own smoothed trend, pooled (mean about 1)."""
-    pooled, used = [], []
-    for folder, path in REAL_CURVES:
-        f = RESULTS / folder / "results.json"
-        if not f.exists():
-            continue
-        node = json.loads(f.read_text())["results"]
-        try:
-            for k in path:
-                node = node[k]
-        except (KeyError, TypeError):
-            continue
-        x = np.asarray(node, np.float64)
-        x = x[np.isfinite(x)]
-        trend = _running(_running(x, cfg.trend_width, np.median), cfg.trend_width, np.mean)
-        r = x / trend
-        pooled.append(r[int(cfg.skip_frac * len(r)) :])
-        used.append(f"{folder}:{'/'.join(map(str, path))}")
-    if not pooled:
-        raise FileNotFoundError(f"no recorded loss curves under {RESULTS}")
-    return np.concatenate(pooled), used
-
-
-def block_bootstrap(r: np.ndarray, n: int, mean_block: int, rng) -> np.ndarray:
-    """Politis and Romano's stationary bootstrap of ``r`` to ``n`` values (circular)."""
-    out = np.empty(n)
-    i = 0
-    while i < n:
-        start = int(rng.integers(len(r)))
-        length = min(int(rng.geometric(1.0 / mean_block)), n - i)
-        idx = (start + np.arange(length)) % len(r)
-        out[i : i + length] = r[idx]
-        i += length
-    return out
-
-
-class OldSlow:
-    """The previous slow-divergence test: Mann-Kendall on block means taken as iid."""
-
-    def __init__(self, window=50, block=20, z_threshold=3.5, min_rise=0.03):
-        self.window, self.block, self.z, self.min_rise = window, block, z_threshold, min_rise
-        self._means, self._sum, self._count = [], 0.0, 0
-
-    def update(self, step, metrics):
-        self._sum += metrics["loss"]
-        self._count += 1
-        if self._count < self.block:
-            return None
-        self._means.append(self._sum / self._count)
-        self._sum, self._count = 0.0, 0
-        self._means = self._means[-self.window :]
-        if len(self._means) < self.window:
-            return None
-        _, _, z = mann_kendall(self._means)
-        rise = sen_slope(self._means) * (self.window - 1) / abs(np.median(self._means))
-        if z <= self.z or rise < self.min_rise:
-            return None
-        self._means = []
-        return True
-
-
-class OldSpike:
-    """The previous spike test: x - mean > max(6 std, 0.1 |mean|), bias-corrected EMA."""
-
-    def __init__(self, threshold=6.0, rel_floor=0.1, decay=0.99, warmup=20):
-        self.t, self.f, self.d, self.warmup = threshold, rel_floor, decay, warmup
-        self.n, self.mean, self.var = 0, 0.0, 0.0
-
-    def update(self, step, metrics):
-        x = metrics["loss"]
-        if self.n >= self.warmup:
-            if x - self.mean > max(self.t * math.sqrt(self.var), self.f * abs(self.mean)):
-                return True
-        self.n += 1
-        a = (1 - self.d) / (1 - self.d**self.n)
-        delta = x - self.mean
-        self.mean += a * delta
-        self.var = (1 - a) * (self.var + a * delta * delta)
-        return None
 
 
 def alarm_steps(det, x: np.ndarray, bar=None) -> tuple[list[int], float]:
@@ -260,126 +150,11 @@ def pooled_spike_runs(det_factory, xs: list[np.ndarray], every: int) -> dict:
     }
 
 
-def falling_loss(n: int, noise: str, rng: np.random.Generator) -> np.ndarray:
-    """A healthy falling loss: 2 + exp(-t / 300) nats (3 at the start), with Student-t noise
-    (3 degrees of freedom, scale 5 % of the level) or AR(1) noise (phi 0.99, std 0.05)."""
-    level = LEVEL + np.exp(-np.arange(n) / 300.0)
-    if noise == "student_t3":
-        return level * (1 + STD * rng.standard_t(3, size=n))
-    return level + ar1(n, 0.99, STD, rng)
-
-
-def first_rollback(det, x: np.ndarray, start: int) -> tuple[int | None, int]:
-    """The first step >= ``start`` where ``det`` rolls back on ``x`` (None: never), and
-    the rollbacks before ``start`` (false ones)."""
-    early = 0
-    for s, v in enumerate(x.tolist()):
-        d = det.update(s, {"loss": v})
-        if d is not None and d.rolls_back:
-            if s >= start:
-                return s, early
-            early += 1
-    return None, early
-
-
-def spike_power(cfg: Config, rng: np.random.Generator) -> tuple[list[dict], dict]:
-    """Detection rate and delay of :class:`SpikeDetector` (defaults) on spikes of
-    :data:`SPIKE_SIZES` nats lasting :data:`SPIKE_LENGTHS` steps, added at a random step
-    after ``power_warm`` to a falling loss; caught when a rollback comes before the spike
-    has ended plus 20 steps (delay: from its first step)."""
-    rows, out = [], {}
-    for noise in ("student_t3", "phi0.99"):
-        for size in SPIKE_SIZES:
-            for length in SPIKE_LENGTHS:
-                delays, early = [], 0
-                for _ in range(cfg.power_trials):
-                    start = cfg.power_warm + int(rng.integers(0, 100))
-                    x = falling_loss(start + length + 20, noise, rng)
-                    x[start : start + length] += size
-                    at, e = first_rollback(stabljax.control.SpikeDetector(), x, start)
-                    early += e
-                    delays.append(None if at is None else at - start)
-                hit = [d for d in delays if d is not None]
-                key = f"{noise} +{size:g} nats x {length}"
-                out[key] = {
-                    "caught": len(hit) / len(delays),
-                    "delay_median": float(np.median(hit)) if hit else None,
-                    "delay_max": float(max(hit)) if hit else None,
-                    "false_before": early,
-                }
-                rows.append(
-                    {
-                        "test": f"spike power, falling {noise}: +{size:g} nats for {length} steps",
-                        "new": f"{100 * len(hit) / len(delays):.0f} %",
-                        "baseline": None,
-                        "unit": "caught; delay median/max steps: "
-                        + (f"{np.median(hit):.0f}/{max(hit)}" if hit else "-"),
-                    }
-                )
-    return rows, out
-
-
-def model_spikes() -> tuple[list[dict], dict]:
-    """The detector on the main job's model-made spikes: every unguarded run's kept losses
-    of the committed ``spike_recovery`` results, fed in order; each spike onset (> 0.5 nats
-    above the running minimum, :func:`experiments.slingshot.spikes`) is caught when a
-    rollback comes within 20 steps of it (delay from the onset; negative: before the loss
-    was 0.5 nats up). Rollback episodes (runs of consecutive rolling-back detections; the
-    controller would roll back at the first) more than 20 steps from any onset are counted
-    apart: blips above the 10^-3 floor at a median of 0 that stay under 0.5 nats."""
-    from experiments.slingshot import spikes
-
-    f = RESULTS / "spike_recovery" / "results.json"
-    if not f.exists():
-        return [], {}
-    runs = json.loads(f.read_text())["results"].get("runs", [])
-    runs = [r for r in runs if r.get("arm") == "unguarded" and "kept_losses" in r]
-    delays, other, onsets_n, steps = [], 0, 0, 0
-    for r in runs:
-        x = np.asarray([np.nan if v is None else v for v in r["kept_losses"]], float)
-        onsets = spikes(x)
-        onsets_n += len(onsets)
-        steps += len(x)
-        det, fired, inside = stabljax.control.SpikeDetector(), [], False
-        for s, v in enumerate(x.tolist()):
-            d = det.update(s, {"loss": v})
-            rolls = d is not None and d.rolls_back
-            if rolls and not inside:  # the first step of an episode: where it rolls back
-                fired.append(s)
-            inside = rolls
-        for o in onsets:
-            near = [s - o for s in fired if -20 <= s - o <= 20]
-            delays.append(near[0] if near else None)
-        other += sum(all(abs(s - o) > 20 for o in onsets) for s in fired)
-    hit = [d for d in delays if d is not None]
-    res = {
-        "runs": len(runs),
-        "onsets": onsets_n,
-        "caught": len(hit) / max(1, len(delays)),
-        "delay_median": float(np.median(hit)) if hit else None,
-        "rollbacks_away_from_onsets": other,
-        "steps": steps,
-    }
-    row = {
-        "test": f"spike power, Slingshot (main job, unguarded, {len(runs)} runs, "
-        f"{onsets_n} spikes)",
-        "new": f"{100 * res['caught']:.0f} %",
-        "baseline": None,
-        "unit": f"caught; delay median {res['delay_median']} steps; "
-        f"{other} rollback episodes > 20 steps from a spike",
-    }
-    return [row], res
-
-
-def run(cfg: Config, *, progress: bool = True) -> tuple[list[dict], dict]:
-    rng = np.random.default_rng(cfg.seed)
-    ratios_real, used = real_ratios(cfg)
-    real_noise = LEVEL * (block_bootstrap(ratios_real, cfg.steps, cfg.bootstrap_block, rng) - 1)
-    noises: dict[str, list[np.ndarray]] = {}
-    for phi in cfg.phis:
-        name = "iid" if phi == 0 else f"phi{phi:g}"
-        noises[name] = [ar1(cfg.steps, phi, STD, rng) for _ in range(cfg.seeds)]
-    noises["real"] = [real_noise]
+def slow_false_alarms(
+    cfg: Config, noises: dict[str, list[np.ndarray]], progress: bool
+) -> tuple[list[dict], dict]:
+    """False alarms of :class:`SlowDivergenceDetector` (and :class:`OldSlow`) on flat losses
+    at :data:`LEVEL` plus each noise's series; table rows and results per noise."""
     total = sum(len(v) * cfg.steps for v in noises.values()) * (2 if cfg.baseline else 1)
     bar = progress_bar(total, "slow-divergence false alarms", disable=not progress)
     rows, slow = [], {}
@@ -410,6 +185,13 @@ def run(cfg: Config, *, progress: bool = True) -> tuple[list[dict], dict]:
         )
     bar.close()
 
+    return rows, slow
+
+
+def slow_delays(cfg: Config, rng: np.random.Generator) -> tuple[list[dict], dict]:
+    """Delay from the start of a ``rise`` over ``rise_steps`` (after ``warm_steps`` flat
+    steps) to the first slow-divergence alarm, per noise; table rows and results."""
+    rows = []
     delays: dict[str, dict] = {}
     horizon = cfg.rise_steps + cfg.warm_steps
     n = cfg.warm_steps + horizon
@@ -456,6 +238,15 @@ def run(cfg: Config, *, progress: bool = True) -> tuple[list[dict], dict]:
             }
         )
 
+    return rows, delays
+
+
+def spike_false_rollbacks(
+    cfg: Config, rng: np.random.Generator, real_noise: np.ndarray
+) -> tuple[list[dict], dict]:
+    """False rollbacks of :class:`SpikeDetector` (and :class:`OldSpike`) on healthy streams,
+    and the 5x one-step spikes injected into them that it catches; table rows and results."""
+    rows = []
     # A rate of 1 per 10^5 cannot be told from 2 on one series of 10^5 steps (Poisson): the
     # synthetic streams are pooled over `false_series` independent series (10: 10^6 steps,
     # a standard error of about 0.3 per 10^5 at that rate).
@@ -492,9 +283,24 @@ def run(cfg: Config, *, progress: bool = True) -> tuple[list[dict], dict]:
             }
         )
 
-    power_rows, power = spike_power(cfg, rng)
+    return rows, spikes
+
+
+def run(cfg: Config, *, progress: bool = True) -> tuple[list[dict], dict]:
+    rng = np.random.default_rng(cfg.seed)
+    ratios_real, used = real_ratios(cfg.trend_width, cfg.skip_frac)
+    real_noise = LEVEL * (block_bootstrap(ratios_real, cfg.steps, cfg.bootstrap_block, rng) - 1)
+    noises: dict[str, list[np.ndarray]] = {}
+    for phi in cfg.phis:
+        name = "iid" if phi == 0 else f"phi{phi:g}"
+        noises[name] = [ar1(cfg.steps, phi, STD, rng) for _ in range(cfg.seeds)]
+    noises["real"] = [real_noise]
+    rows, slow = slow_false_alarms(cfg, noises, progress)
+    delay_rows, delays = slow_delays(cfg, rng)
+    spike_rows, spikes = spike_false_rollbacks(cfg, rng, real_noise)
+    power_rows, power = spike_power(cfg.power_trials, cfg.power_warm, rng)
     slingshot_rows, slingshot = model_spikes()
-    rows += power_rows + slingshot_rows
+    rows += delay_rows + spike_rows + power_rows + slingshot_rows
 
     results = {
         "spike_power": power,

@@ -32,8 +32,7 @@ import jax
 import stabljax
 from experiments import cli
 from experiments.proxy import QUICK_SIZE, BenchSize, adamw, build_model
-from stabljax.control.integrity import ENV_KEY, fingerprint, leaf_digests
-from stabljax.control.store import to_host
+from stabljax.control.checkpoint.integrity import ENV_KEY, fingerprint, leaf_digests
 
 TARGETS = {"save_digest/fingerprint": 1.05, "restore_digest/fingerprint": 1.05}
 SETTINGS = {"fingerprint": (True, None), "digest": ("digest", None), "hmac": ("digest", "k")}
@@ -107,8 +106,8 @@ def run(cfg: Config) -> tuple[list[dict], dict]:
         shutil.rmtree(root, ignore_errors=True)
     # The checks alone, without Orbax's I/O around them: the cost per checkpoint in seconds.
     alone = {"fingerprint alone": lambda: fingerprint(state).block_until_ready()}
-    alone["leaf_digests alone"] = lambda: leaf_digests(state, None, to_host)
-    alone["leaf_digests alone (hmac)"] = lambda: leaf_digests(state, b"k", to_host)
+    alone["leaf_digests alone"] = lambda: leaf_digests(state, None)
+    alone["leaf_digests alone (hmac)"] = lambda: leaf_digests(state, b"k")
     samples |= {name: [] for name in alone}
     for repeat in range(cfg.repeats + 1):
         for name, fn in alone.items():

@@ -15,36 +15,47 @@ an index) and the event log.
 * :class:`RollbackInfo`, :func:`lower_lr`, :func:`scale_hyperparam`,
   :func:`reset_second_moment`, :func:`by_verdict`, :func:`chain_remedies` — remedies: what a
   rollback changes in the restored state (``RollbackController(remedy=...)``).
+* :class:`WarningDetector`, :class:`WarningResponse` — a warning from leading indicators
+  and the reversible LR cut it can drive (``RollbackController(warning_response=...)``).
 
-The modules, each importing only those below it (no circle, ``tests/test_architecture.py``):
-:mod:`~stabljax.control.errors`; :mod:`~stabljax.control.policy` (the pure decisions: the
-ledger, whether and how to roll back); :mod:`~stabljax.control.data`
-(iterators; ``DataIterator.restore`` sets the position); :mod:`~stabljax.control.trends`,
-:mod:`~stabljax.control.detectors` and :mod:`~stabljax.control.drift`;
-:mod:`~stabljax.control.events`; :mod:`~stabljax.control.integrity` (the meta item's
-checks); :mod:`~stabljax.control.items` (device copies, the data item);
-:mod:`~stabljax.control.retention` (which checkpoints Orbax keeps);
-:mod:`~stabljax.control.store` (Orbax: the one place checkpoints are written);
-:mod:`~stabljax.control.saver`; :mod:`~stabljax.control.monitor`;
-:mod:`~stabljax.control.remedies`; :mod:`~stabljax.control.attribution` and
-:mod:`~stabljax.control.triage`; :mod:`~stabljax.control.rollback` (resume);
-:mod:`~stabljax.control.session` (lock, preemption, the run loop); and
-:mod:`~stabljax.control.controller`, which carries a rollback out.
+The sub-packages, by concept (BUILD.md's Layout says what each module owns):
+:mod:`~stabljax.control.detect` (the detectors and the monitor running them),
+:mod:`~stabljax.control.checkpoint` (the Orbax store and the run directory's files),
+:mod:`~stabljax.control.data` (iterators and Grain's state), :mod:`~stabljax.control.decide`
+(the pure policy and the remedies), :mod:`~stabljax.control.diagnose` (triage, screening);
+beside them the controller, the session and loop contract, resume, hosts, events and errors.
+No import circle (``tests/test_architecture.py``).
 """
 
+from stabljax.control.checkpoint.fsutil import UnsafePathError as UnsafePathError
+from stabljax.control.checkpoint.integrity import CheckpointKeyError as CheckpointKeyError
+from stabljax.control.checkpoint.jsonio import MalformedJSONError as MalformedJSONError
 from stabljax.control.controller import RollbackController as RollbackController
-from stabljax.control.data import DataIterator as DataIterator
-from stabljax.control.data import GrainDatasetIterator as GrainDatasetIterator
-from stabljax.control.data import GrainLoaderIterator as GrainLoaderIterator
-from stabljax.control.data import IndexedBatches as IndexedBatches
-from stabljax.control.data import PlainIterator as PlainIterator
-from stabljax.control.data import as_data_iterator as as_data_iterator
-from stabljax.control.detectors import Detection as Detection
-from stabljax.control.detectors import Detector as Detector
-from stabljax.control.detectors import SpikeDetector as SpikeDetector
-from stabljax.control.drift import DivergenceDetector as DivergenceDetector
-from stabljax.control.drift import SlowDivergenceDetector as SlowDivergenceDetector
-from stabljax.control.drift import default_detectors as default_detectors
+from stabljax.control.data.grain_iterators import GrainDatasetIterator as GrainDatasetIterator
+from stabljax.control.data.grain_iterators import GrainLoaderIterator as GrainLoaderIterator
+from stabljax.control.data.grain_iterators import as_data_iterator as as_data_iterator
+from stabljax.control.data.iterators import DataIterator as DataIterator
+from stabljax.control.data.iterators import IndexedBatches as IndexedBatches
+from stabljax.control.data.iterators import PlainIterator as PlainIterator
+from stabljax.control.decide.policy import merge_ranges as merge_ranges
+from stabljax.control.decide.remedies import Remedy as Remedy
+from stabljax.control.decide.remedies import RollbackInfo as RollbackInfo
+from stabljax.control.decide.remedies import WarningResponse as WarningResponse
+from stabljax.control.decide.remedies import by_verdict as by_verdict
+from stabljax.control.decide.remedies import chain_remedies as chain_remedies
+from stabljax.control.decide.remedies import lower_lr as lower_lr
+from stabljax.control.decide.remedies import reset_second_moment as reset_second_moment
+from stabljax.control.decide.remedies import scale_hyperparam as scale_hyperparam
+from stabljax.control.detect.detectors import Detection as Detection
+from stabljax.control.detect.detectors import Detector as Detector
+from stabljax.control.detect.detectors import SpikeDetector as SpikeDetector
+from stabljax.control.detect.drift import DivergenceDetector as DivergenceDetector
+from stabljax.control.detect.drift import SlowDivergenceDetector as SlowDivergenceDetector
+from stabljax.control.detect.drift import default_detectors as default_detectors
+from stabljax.control.detect.trends import mann_kendall as mann_kendall
+from stabljax.control.detect.trends import sen_slope as sen_slope
+from stabljax.control.detect.warning import WarningDetector as WarningDetector
+from stabljax.control.diagnose.triage import TriageConfig as TriageConfig
 from stabljax.control.errors import CheckpointMismatch as CheckpointMismatch
 from stabljax.control.errors import CheckpointSaveError as CheckpointSaveError
 from stabljax.control.errors import DataExhausted as DataExhausted
@@ -59,22 +70,12 @@ from stabljax.control.events import EventSchemaError as EventSchemaError
 from stabljax.control.events import JsonlMetricsWriter as JsonlMetricsWriter
 from stabljax.control.events import TensorBoardMetricsWriter as TensorBoardMetricsWriter
 from stabljax.control.events import read_events as read_events
-from stabljax.control.policy import merge_ranges as merge_ranges
-from stabljax.control.remedies import Remedy as Remedy
-from stabljax.control.remedies import RollbackInfo as RollbackInfo
-from stabljax.control.remedies import by_verdict as by_verdict
-from stabljax.control.remedies import chain_remedies as chain_remedies
-from stabljax.control.remedies import lower_lr as lower_lr
-from stabljax.control.remedies import reset_second_moment as reset_second_moment
-from stabljax.control.remedies import scale_hyperparam as scale_hyperparam
 from stabljax.control.session import RunResult as RunResult
-from stabljax.control.trends import mann_kendall as mann_kendall
-from stabljax.control.trends import sen_slope as sen_slope
-from stabljax.control.triage import TriageConfig as TriageConfig
 
 __all__ = (
     "EVENT_KINDS",
     "SCHEMA_VERSION",
+    "CheckpointKeyError",
     "CheckpointMismatch",
     "CheckpointSaveError",
     "DataExhausted",
@@ -90,6 +91,7 @@ __all__ = (
     "GrainLoaderIterator",
     "IndexedBatches",
     "JsonlMetricsWriter",
+    "MalformedJSONError",
     "PlainIterator",
     "Preempted",
     "Remedy",
@@ -101,6 +103,9 @@ __all__ = (
     "TensorBoardMetricsWriter",
     "TrainingDiverged",
     "TriageConfig",
+    "UnsafePathError",
+    "WarningDetector",
+    "WarningResponse",
     "as_data_iterator",
     "by_verdict",
     "chain_remedies",

@@ -14,12 +14,9 @@ from __future__ import annotations
 import os
 import pathlib
 import signal
-import sys
 import warnings
 from collections.abc import Mapping, Sequence
 from typing import Any
-
-_PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
 
 
 class CheckpointMismatch(RuntimeError, ValueError):
@@ -77,18 +74,26 @@ class DataExhausted(RuntimeError):
     """The data ran out inside the controller (a rollback's skip past its end).
 
     ``RollbackController.run`` turns it into ``ctl.last_run.data_exhausted``; a
-    hand-written loop sees it from ``step``.
+    hand-written loop sees it from ``step``. ``state``: the state as restored.
     """
 
+    def __init__(self, message: str, *, state: Any = None):
+        super().__init__(message)
+        self.state = state
 
-def warn(message: str, category: type[Warning] = RuntimeWarning) -> None:
-    """``warnings.warn`` pointing at the first frame outside stabljax: the user's line.
 
-    Call chains into stabljax have different depths (``ctl.step`` or ``ctl.run``,
-    ``restore_or_init`` or ``as_data_iterator``), so no fixed ``stacklevel`` fits;
-    Python 3.12's ``skip_file_prefixes`` would, and this counts the frames instead.
+def warn(message: str, category: type[Warning] = RuntimeWarning, *, stacklevel: int = 1) -> None:
+    """``warnings.warn`` pointing ``stacklevel`` calls up from the caller: the user's line.
+
+    ``stacklevel`` counts as :func:`warnings.warn`'s, from the function calling ``warn``:
+    1 is the line calling it, 2 that function's caller, and so on. Each call site in stabljax
+    passes the number of stabljax calls between it and its public entry point, plus one
+    (Python 3.12's ``skip_file_prefixes`` would find the user's line; 3.11 has none, and
+    stabljax reads no frames).
+
+    Args:
+      message: the warning's text.
+      category: the warning's class.
+      stacklevel: where the warning points, as above.
     """
-    frame, level = sys._getframe(0), 1
-    while frame is not None and os.path.abspath(frame.f_code.co_filename).startswith(_PACKAGE):
-        frame, level = frame.f_back, level + 1
-    warnings.warn(message, category, stacklevel=level)
+    warnings.warn(message, category, stacklevel=stacklevel + 1)

@@ -39,7 +39,8 @@ from typing import Any, Literal, get_args
 
 import numpy as np
 
-from stabljax.control import fsutil, jsonio
+from stabljax.control.checkpoint import fsutil, jsonio
+from stabljax.control.decide.remedies import remedy_event
 
 # ------------------------------------------------------------------------------------------ events
 # Typed event records and a crash-safe ``events.jsonl`` log.
@@ -62,6 +63,8 @@ EventKind = Literal[
     "triage",
     "rebaseline",
     "remedy",
+    "warning",
+    "warning_response",
 ]
 """The kinds of :class:`Event`.
 
@@ -77,12 +80,16 @@ checkpoint. ``skip``: a data range was added to the skip ledger.
 ``preempted``: a preemption signal stopped the run at a step boundary (``details["saved"]``).
 ``data_exhausted``: the data ran out before the target step.
 ``triage``: after a rollback, a replay of the suspect window classified the spike
-(:mod:`stabljax.control.triage`; ``details["verdict"]``, evidence, culprits, attribution).
+(:mod:`stabljax.control.diagnose.triage`; ``details["verdict"]``, evidence, culprits, attribution).
 ``rebaseline``: a ``skip_spikes`` guard took a new loss level as its baseline after
 consecutive agreeing skips (``metrics["spike_rebaselines"]`` rose; ``details["total"]``).
+``warning``: a :class:`~stabljax.control.detect.warning.WarningDetector` found a leading
+indicator rising (no rollback). ``warning_response``: a
+:class:`~stabljax.control.decide.remedies.WarningResponse` lowered or restored a
+hyperparameter (``details["change"]``).
 """
 
-SCHEMA_VERSION = "1.1"
+SCHEMA_VERSION = "1.2"
 """The version of the ``events.jsonl`` line format (docs/events.md)."""
 
 
@@ -150,7 +157,7 @@ class Event:
       >>> from stabljax.control.events import Event
       >>> e = Event("save", 100, time=0.0, details={"data_index": 100})
       >>> print(e.to_json())
-      {"schema": "1.1", "kind": "save", "step": 100, "time": 0.0, "details": {"data_index": 100}}
+      {"schema": "1.2", "kind": "save", "step": 100, "time": 0.0, "details": {"data_index": 100}}
       >>> Event.from_json(e.to_json()) == e
       True
     """
@@ -200,7 +207,7 @@ class Event:
           EventSchemaError: an unknown schema version (none means 1.0).
           MalformedJSONError: (a ``ValueError``) ``d`` is not an object with an integer
             ``step``, a finite ``time``, a string ``kind`` and an object ``details``
-            (:data:`~stabljax.control.jsonio.EVENT_SCHEMA`), named by ``what``.
+            (:data:`~stabljax.control.checkpoint.jsonio.EVENT_SCHEMA`), named by ``what``.
           ValueError: an unknown kind.
         """
         if isinstance(d, Mapping):
@@ -212,8 +219,44 @@ class Event:
     @classmethod
     def from_json(cls, line: str) -> Event:
         """Builds an event from :meth:`to_json`'s output (read strictly:
-        :func:`~stabljax.control.jsonio.loads_strict`)."""
+        :func:`~stabljax.control.checkpoint.jsonio.loads_strict`)."""
         return cls.from_dict(jsonio.loads_strict(line, what="event"))
+
+
+def rollback_events(
+    plan: Any,
+    *,
+    losses: Any,
+    steps_back: int,
+    target_steps: int | None,
+    fed_end: int,
+    screened: tuple[str, ...] = (),
+    triage: Mapping[str, Any] | None = None,
+) -> list[Event]:
+    """The events of one rollback, in order: ``rollback``, ``skip``, then ``triage`` and
+    ``remedy`` (:func:`~stabljax.control.decide.remedies.remedy_event`) when they ran.
+
+    Args:
+      plan: the :class:`~stabljax.control.decide.policy.RollbackPlan` carried out.
+      losses: the ``[step, loss, skipped]`` rows before the detection.
+      steps_back: the steps taken back (from the step rolled back from to the target).
+      target_steps: the run's target (``None``: none declared).
+      fed_end: one past the last data index fed before the rollback.
+      screened: the plan entry's keys that say what screening ahead found, for the skip event.
+      triage: the triage report, if triage ran.
+    """
+    entry, skip, at = plan.entry, plan.skip, plan.detected
+    rollback = dict(onset=plan.onset, restored_step=plan.target, margin_met=plan.margin_met)
+    rollback |= dict(reason=entry["reason"], losses=losses, rollbacks=plan.ledger.rollbacks)
+    rollback |= dict(steps_back=steps_back, target_steps=target_steps)
+    skipped = dict(range=entry["range"], length=skip.length, doubled=skip.doubled)
+    skipped |= {k: entry[k] for k in screened if k in entry} | {"fed_end": fed_end}
+    events = [Event("rollback", at, details=rollback), Event("skip", at, details=skipped)]
+    if triage is not None:
+        events.append(Event("triage", at, details=dict(narrowed=plan.narrowed, **triage)))
+    if "remedy" in entry:
+        events.append(Event("remedy", at, details=remedy_event(entry, reapplied=False)))
+    return events
 
 
 def append_line(path: str | os.PathLike, line: str) -> None:
@@ -221,8 +264,8 @@ def append_line(path: str | os.PathLike, line: str) -> None:
 
     If the file does not end with a newline (a torn line from a crash), a newline is
     written first so the new record starts on its own line. The file is opened with
-    ``O_NOFOLLOW`` (:func:`~stabljax.control.fsutil.open_nofollow`): a symlink planted at
-    ``path`` is an :class:`~stabljax.control.fsutil.UnsafePathError`, and nothing outside
+    ``O_NOFOLLOW`` (:func:`~stabljax.control.checkpoint.fsutil.open_nofollow`): a symlink planted at
+    ``path`` is an :class:`~stabljax.control.checkpoint.fsutil.UnsafePathError`, and nothing outside
     the run directory is appended to.
 
     Args:
@@ -246,11 +289,11 @@ def append_line(path: str | os.PathLike, line: str) -> None:
 def load_events(path: str | os.PathLike) -> tuple[list[Event], list[str]]:
     """Reads ``events.jsonl`` strictly: the events, and a warning per line skipped.
 
-    Each line goes through :func:`~stabljax.control.jsonio.loads_strict` and
-    :data:`~stabljax.control.jsonio.EVENT_SCHEMA`: a torn line (a crash in a write), a
+    Each line goes through :func:`~stabljax.control.checkpoint.jsonio.loads_strict` and
+    :data:`~stabljax.control.checkpoint.jsonio.EVENT_SCHEMA`: a torn line (a crash in a write), a
     line that is not a JSON object, a ``step`` that is not an integer (``12.7``,
     ``true``), a non-finite number (``Infinity``) or nesting deeper than
-    :data:`~stabljax.control.jsonio.MAX_DEPTH` is skipped with a warning
+    :data:`~stabljax.control.checkpoint.jsonio.MAX_DEPTH` is skipped with a warning
     ``"PATH:LINE: ..."``. A kind this version does not know (a newer minor version's) is
     skipped without one. A line of another schema major version raises
     :class:`EventSchemaError` naming the file and line (its records cannot be trusted to
@@ -280,7 +323,7 @@ def read_events(path: str | os.PathLike) -> list[Event]:
     """Reads ``events.jsonl``, skipping (with a warning) the lines it cannot trust.
 
     :func:`load_events`, with each skipped line reported as a
-    :class:`~stabljax.control.jsonio.MalformedLineWarning` naming the file and line.
+    :class:`~stabljax.control.checkpoint.jsonio.MalformedLineWarning` naming the file and line.
 
     Args:
       path: the file; a missing file gives an empty list.
@@ -311,11 +354,25 @@ def read_events(path: str | os.PathLike) -> list[Event]:
     return events
 
 
+FLUSHED_BY = frozenset(
+    {"save", "save_failed", "restore", "preempted", "diverged", "data_exhausted"}
+)
+"""On an object store, the kinds after which :class:`EventLog` writes its buffer out."""
+
+
 class EventLog:
     """Events in memory, each also appended to a JSON-lines file.
 
+    On an object store (``gs://...``), which has no append, events are buffered and
+    written as a new object (:class:`~stabljax.control.checkpoint.fsutil.PartLog`) after
+    each event of a kind in :data:`FLUSHED_BY` (a save, a restore or rollback, the end of
+    a run), at :meth:`flush` (the controller's ``close``) and when an event arrives 60 s
+    after the oldest unwritten one. A flushed event survives a crash, SIGKILL included; a
+    crash loses at most the events since the last flush. Between flushes no request is made.
+
     Args:
-      path: the ``events.jsonl`` file, or ``None`` to keep events in memory only.
+      path: the ``events.jsonl`` file (or ``gs://.../events.jsonl``), or ``None`` to keep
+        events in memory only.
       write: whether this process writes the file (on several hosts only the primary
         host does; every host keeps the same events in memory).
 
@@ -333,13 +390,25 @@ class EventLog:
         self.write = write
         self._events: list[Event] = []
         self._lock = threading.Lock()  # a background save logs from its own thread
+        remote = self.path is not None and write and fsutil.is_remote(self.path)
+        self._parts = fsutil.PartLog(self.path) if remote else None
 
     def append(self, event: Event) -> None:
-        """Records ``event`` (and appends it to the file); safe from several threads."""
+        """Records ``event`` (and writes it out); safe from several threads."""
         with self._lock:
             self._events.append(event)
-            if self.path is not None and self.write:
+            if self._parts is not None:
+                self._parts.write(event.to_json())
+            elif self.path is not None and self.write:
                 append_line(self.path, event.to_json())
+        if self._parts is not None and event.kind in FLUSHED_BY:
+            self._parts.flush()
+
+    def flush(self) -> None:
+        """Writes the buffered events of an object-store log (nothing on a local disk,
+        where each event is on disk when :meth:`append` returns)."""
+        if self._parts is not None:
+            self._parts.flush()
 
     def count(self, kind: str) -> int:
         """The number of events of ``kind`` recorded so far."""
@@ -360,9 +429,6 @@ class EventLog:
 
 # ----------------------------------------------------------------------------------------- writers
 # Metrics writers for :meth:`RollbackController.run`: any ``callable(step, metrics)``.
-
-
-__all__ = ["JsonlMetricsWriter", "TensorBoardMetricsWriter", "host_metrics"]
 
 
 def host_metrics(metrics: Mapping[str, Any], prefix: str = "") -> dict[str, float | int | bool]:
@@ -405,11 +471,15 @@ class JsonlMetricsWriter:
     that ends without a newline (a crash in a write) gets one first. Non-finite values
     are written as strings (``"nan"``), as in ``events.jsonl``. The file is opened with
     ``O_NOFOLLOW``: a symlink at ``path`` is an
-    :class:`~stabljax.control.fsutil.UnsafePathError`. Use as a context manager or call
-    :meth:`close`.
+    :class:`~stabljax.control.checkpoint.fsutil.UnsafePathError`. Use as a context manager or call
+    :meth:`close`. On an object store (``gs://.../metrics.jsonl``) rows are buffered and
+    written as new objects at :meth:`flush`, :meth:`close` and when a row arrives
+    ``flush_every`` seconds after the oldest unwritten one
+    (:class:`~stabljax.control.checkpoint.fsutil.PartLog`): a crash loses the unwritten rows.
 
     Args:
       path: the file; its parent folders are created.
+      flush_every: on an object store, the most seconds a row waits while more arrive.
 
     Example:
       >>> import json, pathlib, tempfile
@@ -421,7 +491,11 @@ class JsonlMetricsWriter:
       [{'step': 0, 'loss': 2.0}, {'step': 1, 'loss': 'nan'}]
     """
 
-    def __init__(self, path: str | os.PathLike):
+    def __init__(self, path: str | os.PathLike, *, flush_every: float = 60.0):
+        if fsutil.is_remote(path):
+            self.path, self._parts = os.fspath(path), fsutil.PartLog(path, flush_every=flush_every)
+            return
+        self._parts = None
         self.path = pathlib.Path(path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
         # Not through a symlink planted at the file's name (fsutil.open_nofollow).
@@ -433,18 +507,30 @@ class JsonlMetricsWriter:
             self._file.write("\n")
 
     def __call__(self, step: int, metrics: Mapping[str, Any]) -> None:
-        if self._file.closed:
+        if self._closed:
             raise ValueError(f"JsonlMetricsWriter({self.path}) is closed")
         row = {"step": int(step), **{k: _json_number(v) for k, v in host_metrics(metrics).items()}}
+        if self._parts is not None:
+            self._parts.write(json.dumps(row, allow_nan=False))
+            return
         self._file.write(json.dumps(row, allow_nan=False) + "\n")
         self._file.flush()
 
+    @property
+    def _closed(self) -> bool:
+        return self._parts is None and self._file.closed
+
     def flush(self) -> None:
-        if not self._file.closed:
+        if self._parts is not None:
+            self._parts.flush()
+        elif not self._file.closed:
             self._file.flush()
 
     def close(self) -> None:
-        self._file.close()
+        if self._parts is not None:
+            self._parts.flush()
+        else:
+            self._file.close()
 
     def __enter__(self) -> JsonlMetricsWriter:
         return self
@@ -490,3 +576,21 @@ class TensorBoardMetricsWriter:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+__all__ = (
+    "EVENT_KINDS",
+    "Event",
+    "EventKind",
+    "EventLog",
+    "EventSchemaError",
+    "FLUSHED_BY",
+    "JsonlMetricsWriter",
+    "SCHEMA_VERSION",
+    "TensorBoardMetricsWriter",
+    "append_line",
+    "check_schema",
+    "host_metrics",
+    "load_events",
+    "read_events",
+)

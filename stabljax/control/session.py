@@ -1,10 +1,8 @@
-"""The controller's life in an operator's world: one job per directory, preemption, the loop.
+"""The controller's life in an operator's world: the state it is handed, preemption, the loop.
 
-* :func:`check_state` and :func:`check_directory`: what the operator hands the controller
-  (a state with a ``step``; a directory that is, or can be made, writable).
-* :class:`DirectoryLock`: an advisory ``fcntl.flock`` on ``stabljax.lock`` (process 0;
-  ``stabljax.lock.<i>`` for process ``i``), so a second job on the same directory is
-  refused; the kernel drops it when its holder dies.
+* :func:`check_state`: what the operator hands the controller (a state with a ``step``);
+  the directory, its checks and its lock are
+  :class:`~stabljax.control.checkpoint.fsutil.RunFiles`'s.
 * :class:`PreemptionWatch`: SIGTERM (and SIGINT, if asked) asks to stop at the next step
   boundary; on several processes JAX's preemption sync point decides, by ``state.step``.
 * :class:`RunResult` (how a run ended), :func:`drive` (the loop of
@@ -14,13 +12,7 @@
 from __future__ import annotations
 
 import dataclasses
-import errno
-import fcntl
-import gc
-import os
-import pathlib
 import signal
-import socket
 import sys
 import threading
 import weakref
@@ -31,13 +23,11 @@ import jax
 import numpy as np
 from jax.experimental import multihost_utils
 
-from stabljax.control.errors import DataExhausted, Preempted
-from stabljax.control.errors import warn as warn
-from stabljax.control.events import host_metrics
-from stabljax.control.fsutil import open_nofollow, read_text, refuse_symlinks
+from stabljax.control.errors import DataExhausted, Preempted, warn
+from stabljax.control.events import Event, host_metrics
 
-# --------------------------------------------------------------------------- the directory
-# What the operator hands the controller: a train state and a writable directory.
+# ------------------------------------------------------------------------------- the state
+# What the operator hands the controller: a train state.
 
 
 def check_state(state: Any) -> None:
@@ -46,75 +36,6 @@ def check_state(state: Any) -> None:
         raise TypeError(
             f"state must have a 'step' field (int32 scalar), got {type(state).__name__}"
         )
-
-
-PROBE = ".stabljax-probe-"
-SPECIAL = ("events.jsonl", "stabljax-rollback.json", "stabljax-trash", "stabljax-corrupt")
-"""A run directory's fixed names (with ``stabljax.lock*`` and ``stabljax-trash.*``)."""
-
-
-def special_entries(directory: pathlib.Path) -> list[str]:
-    """The names in ``directory`` that stabljax writes, moves or deletes by a fixed name."""
-    names = os.listdir(directory)
-    prefixed = ("stabljax.lock", "stabljax-trash.")
-    return sorted(n for n in names if n in SPECIAL or n.startswith(prefixed))
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except OSError:  # EPERM: someone else's process
-        return True
-    return True
-
-
-def clean_probes(directory: pathlib.Path) -> None:
-    """Removes probe files left by processes that died between writing and removing them.
-
-    A pid that is dead here may be alive on another host sharing the directory; removing
-    its probe is harmless, since the probe's writer removes it with ``missing_ok``.
-    """
-    for path in directory.glob(f"{PROBE}*-*"):
-        try:
-            pid = int(path.name[len(PROBE) :].split("-")[0])
-        except ValueError:
-            continue
-        if pid != os.getpid() and not _alive(pid):
-            path.unlink(missing_ok=True)
-
-
-def check_directory(directory: pathlib.Path) -> None:
-    """Creates ``directory`` (and its parents), checks that it can be written, and
-    removes stale probe files.
-
-    Raises:
-      UnsafePathError: one of its fixed-name entries (:func:`special_entries`) is a
-        symlink, which stabljax would write, move or delete through; nothing was written.
-    """
-    probe = directory / f"{PROBE}{os.getpid()}-{jax.process_index()}"
-    try:
-        if directory.exists() and not directory.is_dir():
-            raise NotADirectoryError(errno.ENOTDIR, "a file is in the way", str(directory))
-        directory.mkdir(parents=True, exist_ok=True)
-        mode = directory.stat().st_mode
-        if not mode & 0o222:  # root writes anywhere; respect the operator's intent anyway
-            raise PermissionError(errno.EACCES, f"read-only (mode {oct(mode & 0o777)})")
-        refuse_symlinks(directory, special_entries(directory))
-        fd = open_nofollow(probe, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
-        try:
-            os.write(fd, b"ok")
-        finally:
-            os.close(fd)
-        probe.unlink(missing_ok=True)
-        clean_probes(directory)
-    except OSError as e:
-        raise OSError(
-            e.errno,
-            f"checkpoint directory {str(directory)!r} cannot be created or written "
-            f"({type(e).__name__}: {e}); pass a writable directory",
-        ) from e
 
 
 @dataclasses.dataclass(frozen=True)
@@ -136,60 +57,6 @@ class RunResult:
     reached: bool
     preempted: bool = False
     data_exhausted: bool = False
-
-
-class DirectoryLock:
-    """An exclusive advisory lock on ``directory/stabljax.lock[.<process>]``."""
-
-    def __init__(self, directory: pathlib.Path):
-        i = jax.process_index()
-        self.path = directory / ("stabljax.lock" if i == 0 else f"stabljax.lock.{i}")
-        self._fd: int | None = None
-
-    def acquire(self) -> None:
-        for attempt in range(2):
-            fd = open_nofollow(self.path, os.O_RDWR | os.O_CREAT)
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except OSError as e:
-                os.close(fd)
-                if e.errno not in (errno.EAGAIN, errno.EACCES, errno.EWOULDBLOCK):
-                    raise
-                if attempt == 0:
-                    gc.collect()  # an unreachable controller of this process may hold it
-                    continue
-                try:
-                    holder = read_text(self.path).strip() or "unknown"
-                except OSError:
-                    holder = "unknown"
-                raise RuntimeError(
-                    f"checkpoint directory {str(self.path.parent)!r} is already in use by "
-                    f"another RollbackController (lock {self.path.name} held by {holder}); "
-                    "two jobs on one directory would race on saves and deletes. Stop the "
-                    "other job, close() the other controller, or use another directory."
-                ) from e
-            os.ftruncate(fd, 0)
-            os.write(fd, f"pid {os.getpid()} on {socket.gethostname()}\n".encode())
-            self._fd = fd
-            return
-
-    def release(self) -> None:
-        fd, self._fd = getattr(self, "_fd", None), None
-        if fd is not None:
-            try:
-                fcntl.flock(fd, fcntl.LOCK_UN)
-            finally:
-                os.close(fd)
-
-    @property
-    def held(self) -> bool:
-        return self._fd is not None
-
-    def __del__(self):  # a controller dropped without close() frees its directory
-        try:
-            self.release()
-        except Exception:  # noqa: BLE001 - at interpreter exit os/fcntl may be gone already
-            pass
 
 
 _OPEN: weakref.WeakSet = weakref.WeakSet()  # controllers to close at interpreter exit
@@ -313,6 +180,7 @@ def drive(
     reaches ``target``, then ``ctl.finish`` (which may roll back, and the loop goes on).
     The data running out (``StopIteration``, or :class:`DataExhausted` from a rollback's
     skip) and :class:`Preempted` end it with the state as saved; anything else propagates.
+    The data running out is a ``data_exhausted`` event in ``ctl.events``.
     ``writer(step, host_metrics)`` gets every ``log_every``-th step's metrics one step
     late (after the next step is dispatched), and the last one on the way out.
     """
@@ -358,10 +226,11 @@ def drive(
         finally:
             bar.show(ctl)
             bar.close()
-    if exhausted:
-        step = ctl.current_step
-        ctl._log("data_exhausted", step, data_index=data.index, target=target)
-        warn(f"the data ran out at step {step} (index {data.index}) of {target}")
+    if exhausted:  # through the controller's public event log, as any loop may
+        step, details = ctl.current_step, dict(data_index=data.index, target=target)
+        ctl.events.append(Event("data_exhausted", step, details=details))
+        # drive < ctl.run < the user
+        warn(f"the data ran out at step {step} (index {data.index}) of {target}", stacklevel=3)
     return state, data, preempted, exhausted
 
 
@@ -396,11 +265,7 @@ class Progress:
 
     def update(self, n: int, postfix: Mapping[str, Any]) -> None:
         if self._bar is not None:
-            if n < self._bar.n:
-                self._bar.n = n
-                self._bar.refresh()
-            else:
-                self._bar.update(n - self._bar.n)
+            self._bar.update(n - self._bar.n)  # back after a rollback: a negative update
             self._bar.set_postfix(postfix, refresh=False)
         elif n >= self._last + max(self._total // 10, 1) or n < self._last:
             self._last = n

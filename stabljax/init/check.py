@@ -11,9 +11,9 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from stabljax.base import validate
 from stabljax.init.report import InitFlag, InitReport
 from stabljax.metrics import MAX_ATTN_LOGIT, RESIDUAL_RMS
-from stabljax.optim._base import validate
 
 
 def _default_loss(logits: jax.Array, batch: Mapping[str, Any]) -> jax.Array:

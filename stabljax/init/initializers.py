@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from stabljax.optim._base import validate
+from stabljax.base import validate
 
 Initializer = Callable[..., jax.Array]
 

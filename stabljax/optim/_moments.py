@@ -1,6 +1,6 @@
 """The pieces safe Adam (:mod:`stabljax.optim.adam`) and Adam-atan2
 (:mod:`stabljax.optim.atan2`) share: hyperparameter checks, the moment dtypes and the
-moment update. An internal module (see :mod:`stabljax.optim._base`).
+moment update. An internal module (see :mod:`stabljax.base`).
 
 Both keep the second moment in float32 (or wider) whatever the leaf dtype, the first
 moment in float32 for float16 (and integer) leaves, and form the update ratio in
@@ -19,7 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from stabljax.optim._base import validate
+from stabljax.base import validate
 
 # ----------------------------------------------------------------------------- validation
 

@@ -19,7 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from stabljax.optim._base import (
+from stabljax.base import (
     all_finite,
     global_norm_f32,
     is_nonneg_int,
@@ -155,7 +155,7 @@ def clip_by_zscore(
         ``params -> such a pytree`` (as :func:`optax.masked`). The global norm is
         taken over the selected leaves only and the others pass unchanged: leave
         out the orthogonalized groups of Muon (:func:`optax.contrib.muon`), whose
-        update is scale-invariant (README, "Clipping with Muon").
+        update is scale-invariant (docs/guides/guards.md, "Muon, and clipping with it").
 
     Returns:
       A :class:`optax.GradientTransformation` whose state is a

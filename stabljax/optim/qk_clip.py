@@ -19,7 +19,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from stabljax.optim._base import path_str, validate
+from stabljax.base import path_str, validate
 
 __all__ = (
     "QKClipState",

@@ -18,7 +18,7 @@ from __future__ import annotations
 import os
 import pathlib
 
-from stabljax.control import fsutil
+from stabljax.control.checkpoint import fsutil
 from stabljax.report.page import render, summary
 from stabljax.report.read import Run, load_run
 
@@ -57,8 +57,13 @@ def write_report(
 def write_page(run: Run, out_dir: str | os.PathLike, *, title: str | None = None) -> pathlib.Path:
     """Renders ``run`` (from :func:`load_run`) to ``out_dir/report.html``, as
     :func:`write_report` does, and returns its path."""
+    page = render(run, title=title)
+    if fsutil.is_remote(out_dir):  # gs://...: one upload, never a local "gs:" folder
+        out = fsutil.RunFiles(out_dir)
+        out.write("report.html", page.encode("utf-8", "backslashreplace"))
+        return out.path / "report.html"
     out = pathlib.Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     path = out / "report.html"
-    fsutil.atomic_write_text(path, render(run, title=title), errors="backslashreplace")
+    fsutil.atomic_write_text(path, page, errors="backslashreplace")
     return path

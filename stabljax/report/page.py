@@ -16,11 +16,10 @@ import json
 import math
 from typing import Any
 
-from stabljax import metrics as keys
 from stabljax.control.events import SCHEMA_VERSION, Event
+from stabljax.metrics import GRAD_NORM, LOSS, LOSS_SCALE, OVERFLOW, SKIP_STREAK, SKIPPED
 from stabljax.report import svg
 from stabljax.report.read import Run
-from stabljax.report.read import load_run as load_run  # its old home, still reachable
 from stabljax.telemetry import spike_score
 
 VERDICT_COLORS = {
@@ -132,7 +131,7 @@ def spike_scores(run: Run) -> dict[str, str]:
     """OLMo 2's spike score (:func:`stabljax.telemetry.spike_score`) of the loss and the
     grad norm over the final trajectory (metrics.jsonl's kept rows), as table cells."""
     out = {}
-    for key, label in ((keys.LOSS, "loss"), (keys.GRAD_NORM, "grad norm")):
+    for key, label in ((LOSS, "loss"), (GRAD_NORM, "grad norm")):
         values = [_number(r.get(key)) for r in run.kept.values() if key in r]
         score = spike_score([math.nan if v is None else v for v in values]) if values else None
         if score is None:
@@ -197,13 +196,13 @@ def _marks(run: Run, loss_at: dict[int, float | None]) -> list[svg.Mark]:
 def loss_chart(run: Run) -> str:
     kept, series = run.kept, []
     if kept:
-        xs, ys = _series(kept.values(), keys.LOSS)
+        xs, ys = _series(kept.values(), LOSS)
         series.append(svg.Series("loss (the final trajectory)", xs, ys))
         for k, seg in enumerate(run.abandoned):
-            xs, ys = _series(seg, keys.LOSS)
+            xs, ys = _series(seg, LOSS)
             name = "loss on a rolled-back branch"
             series.append(svg.Series(name if k == 0 else name + " ", xs, ys, "#c5221f", 1.2, "5 3"))
-        loss_at = {s: _number(r.get(keys.LOSS)) for r in run.rows for s in [int(r["step"])]}
+        loss_at = {s: _number(r.get(LOSS)) for r in run.rows for s in [int(r["step"])]}
     else:
         pts = _loss_points(run)
         series.append(
@@ -223,8 +222,8 @@ def loss_chart(run: Run) -> str:
 def extra_charts(run: Run) -> list[str]:
     kept = list(run.kept.values())
     out = []
-    if any(keys.GRAD_NORM in r for r in kept):
-        xs, ys = _series(kept, keys.GRAD_NORM)
+    if any(GRAD_NORM in r for r in kept):
+        xs, ys = _series(kept, GRAD_NORM)
         out.append(
             svg.chart(
                 "Gradient norm",
@@ -234,8 +233,8 @@ def extra_charts(run: Run) -> list[str]:
         )
     counters = []
     for key, name, color in (
-        (keys.SKIPPED, "guard skips (cumulative)", "#e8710a"),
-        (keys.OVERFLOW, "fp16 overflows (cumulative)", "#a142f4"),
+        (SKIPPED, "guard skips (cumulative)", "#e8710a"),
+        (OVERFLOW, "fp16 overflows (cumulative)", "#a142f4"),
     ):
         if any(key in r for r in kept):
             xs, total, acc = [], [], 0
@@ -245,13 +244,13 @@ def extra_charts(run: Run) -> list[str]:
                     xs.append(int(r["step"]))
                     total.append(float(acc))
             counters.append(svg.Series(name, xs, total, color))
-    if any(keys.SKIP_STREAK in r for r in kept):
-        xs, ys = _series(kept, keys.SKIP_STREAK)
+    if any(SKIP_STREAK in r for r in kept):
+        xs, ys = _series(kept, SKIP_STREAK)
         counters.append(svg.Series("skip streak", xs, ys, "#777", 1.0, "3 2"))
     if counters:
         out.append(svg.chart("Skip and overflow counters", counters, log_y=False))
-    if any(keys.LOSS_SCALE in r for r in kept):
-        xs, ys = _series(kept, keys.LOSS_SCALE)
+    if any(LOSS_SCALE in r for r in kept):
+        xs, ys = _series(kept, LOSS_SCALE)
         out.append(svg.chart("Loss scale", [svg.Series("loss scale", xs, ys, "#a142f4")]))
     return out
 
@@ -358,12 +357,11 @@ def _window_chart(run: Run, rb: Event, restored: int) -> str:
     sub = Run(run.directory, [rb], {}, window)
     name = "loss on the rolled-back branch"
     abandoned = [
-        svg.Series(name, *_series(seg, keys.LOSS), "#c5221f", 1.2, "5 3", True)
-        for seg in sub.abandoned
+        svg.Series(name, *_series(seg, LOSS), "#c5221f", 1.2, "5 3", True) for seg in sub.abandoned
     ]
     return svg.chart(
         f"The window around the onset (steps {max(lo, 0)}..{hi})",
-        [svg.Series("loss (final trajectory)", *_series(sub.kept.values(), keys.LOSS))] + abandoned,
+        [svg.Series("loss (final trajectory)", *_series(sub.kept.values(), LOSS))] + abandoned,
         height=200,
         spans=_rollback_spans(sub),
     )

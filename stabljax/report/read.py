@@ -9,11 +9,12 @@ The inputs, all plain JSON (no Orbax, no JAX needed to read them):
   per step, rows of an abandoned branch followed by the replayed steps after a rollback.
 
 The directory may be someone else's (a bucket, a bug report), so everything goes through
-:mod:`stabljax.control.jsonio`: a line of ``events.jsonl`` or ``metrics.jsonl`` that is not
-what stabljax writes is skipped and listed in :attr:`Run.warnings` (file and line); a
-malformed meta item or rollback record is a :class:`~stabljax.control.jsonio.MalformedJSONError`
+:mod:`~stabljax.control.checkpoint.jsonio`: a line of ``events.jsonl`` or ``metrics.jsonl``
+that is not what stabljax writes is skipped and listed in :attr:`Run.warnings` (file and line); a
+malformed meta item or rollback record is a
+:class:`~stabljax.control.checkpoint.jsonio.MalformedJSONError`
 naming the file. Fixed names are read without following symlinks, and never from a FIFO or
-a device (:func:`stabljax.control.fsutil.read_text`).
+a device (:func:`stabljax.control.checkpoint.fsutil.read_text`).
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ import dataclasses
 import pathlib
 from typing import Any
 
-from stabljax.control import jsonio
+from stabljax.control.checkpoint import fsutil, jsonio
 from stabljax.control.events import Event, load_events
 
 RECORD = "stabljax-rollback.json"
@@ -40,7 +41,7 @@ class Run:
       warnings: one line per input line skipped (``"PATH:LINE: what was wrong"``).
     """
 
-    directory: pathlib.Path
+    directory: Any  # a pathlib.Path, or an etils.epath.Path on an object store
     events: list[Event]
     ledger: dict[str, Any]
     rows: list[dict[str, Any]]
@@ -79,17 +80,23 @@ class Run:
         return [e for e in self.events if e.kind in kinds]
 
 
-def read_ledger(directory: pathlib.Path) -> dict[str, Any]:
+def _committed(step_dir: Any) -> bool:
+    """Whether Orbax committed this step folder (its marker file: ``commit_success.txt``
+    on an object store, and on a local disk where Orbax writes one)."""
+    return (step_dir / "commit_success.txt").is_file()
+
+
+def read_ledger(directory: Any) -> dict[str, Any]:
     """The newest ledger of ``directory``: the meta item of its newest committed
     checkpoint, or the rollback record if that has seen more rollbacks.
 
     Only step folders with Orbax's commit marker are read; a meta item or record that is
-    present but malformed raises :class:`~stabljax.control.jsonio.MalformedJSONError`
+    present but malformed raises :class:`~stabljax.control.checkpoint.jsonio.MalformedJSONError`
     naming its file.
     """
-    metas = []
+    metas, local = [], not fsutil.is_remote(directory)
     for d in sorted(directory.iterdir()) if directory.is_dir() else ():
-        if d.name.isdigit() and not d.is_symlink() and (d / "commit_success.txt").is_file():
+        if d.name.isdigit() and not (local and d.is_symlink()) and _committed(d):
             try:
                 metas.append(jsonio.read_meta(d / "meta" / "metadata"))
             except FileNotFoundError:
@@ -104,22 +111,26 @@ def read_ledger(directory: pathlib.Path) -> dict[str, Any]:
 def load_run(directory: str | pathlib.Path, metrics: str | pathlib.Path | None = None) -> Run:
     """Reads ``directory`` (and ``metrics``, default ``directory/metrics.jsonl``).
 
+    ``directory`` may be an object store's (``gs://bucket/run``): its logs are read as
+    the controller wrote them there (:class:`~stabljax.control.checkpoint.fsutil.PartLog`).
+
     Raises:
       ValueError: ``directory`` is not a directory or has no ``events.jsonl``; or (its
         subclasses) a malformed meta item or rollback record
-        (:class:`~stabljax.control.jsonio.MalformedJSONError`), an ``events.jsonl`` of
+        (:class:`~stabljax.control.checkpoint.jsonio.MalformedJSONError`), an ``events.jsonl`` of
         another schema major version, a fixed-name file that is a symlink
-        (:class:`~stabljax.control.fsutil.UnsafePathError`). Each message names the file.
+        (:class:`~stabljax.control.checkpoint.fsutil.UnsafePathError`). Each message names the file.
     """
-    directory = pathlib.Path(directory)
+    remote = fsutil.is_remote(directory)
+    directory = fsutil.run_path(directory) if remote else pathlib.Path(directory)
     if not directory.is_dir():
         raise ValueError(f"directory {str(directory)!r} is not a directory")
     events_path = directory / "events.jsonl"
-    if not events_path.exists() and not events_path.is_symlink():
+    if not fsutil.RunFiles(directory).exists("events.jsonl", log=True):
         raise ValueError(f"directory {str(directory)!r} has no events.jsonl (not a run?)")
     events, warnings = load_events(events_path)
     # A path the user named may be a symlink; the run directory's own file may not.
-    path = pathlib.Path(metrics) if metrics is not None else directory / "metrics.jsonl"
+    path = metrics if metrics is not None else directory / "metrics.jsonl"
     rows, row_warnings = jsonio.read_jsonl(
         path, jsonio.METRICS_SCHEMA, extra=jsonio.Field("scalar"), follow=metrics is not None
     )

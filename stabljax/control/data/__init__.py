@@ -1,0 +1,1 @@
+"""Data position: the iterators the controller moves forward and back, and Grain's saved state."""

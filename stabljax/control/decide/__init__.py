@@ -1,0 +1,1 @@
+"""Decisions: the pure rollback policy (ledger, ranges, plan) and the remedies."""

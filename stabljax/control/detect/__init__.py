@@ -1,0 +1,1 @@
+"""Detection: spike, divergence and drift detectors, trend tests, the monitor running them."""

@@ -1,0 +1,1 @@
+"""Diagnosis after a rollback: replay triage, leaf attribution, screening ahead."""
