@@ -89,7 +89,7 @@ class _NoController:
     def __init__(self, *args, **kwargs):
         pass
 
-    def restore_or_init(self, state, data):
+    def restore_or_init(self, state, data, *, total_steps=None):
         return state, data
 
     step = finish = lambda self, state, *rest: (state, rest[-1])
