@@ -78,6 +78,25 @@ def abstract(tree: Any, sharding: Callable[[jax.ShapeDtypeStruct], NamedSharding
     return jax.tree.map(one, tree)
 
 
+def train_state_args(opt: optax.GradientTransformation) -> Callable[..., tuple[Any, Any]]:
+    """``args(params, rule, batch) -> (state, batch)``: the abstract ``stabljax.TrainState``
+    of ``opt`` on ``params`` (its optimizer state sharded by ``rule``), for a jitted
+    ``make_train_step`` step, and the batch."""
+    import stabljax
+
+    def args(params, rule, batch):
+        mesh = batch["inputs"].sharding.mesh
+        state = stabljax.TrainState(
+            step=jax.ShapeDtypeStruct((), jnp.int32, sharding=NamedSharding(mesh, P())),
+            params=params,
+            opt_state=abstract(jax.eval_shape(opt.init, params), rule),
+            loss_scale_state=None,
+        )
+        return state, batch
+
+    return args
+
+
 def fsdp_rule(mesh: Mesh, axis: str, min_size: int = 1) -> Callable[[Any], NamedSharding]:
     """Shards each leaf along its largest axis that the mesh axis divides; replicates the rest.
 

@@ -17,11 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 
-import jax
-import jax.numpy as jnp
 import optax
-from jax.sharding import NamedSharding
-from jax.sharding import PartitionSpec as P
 
 import stabljax
 from experiments import cli
@@ -61,17 +57,7 @@ def steps(signals: Signals | None):
         loss_fn = stabljax.lm_loss(apply_fn, z_loss_weight=1e-4)
         step = stabljax.make_train_step(loss_fn, opt, precision=precision, signals=signals)
 
-        def args(params, rule, batch):
-            mesh = batch["inputs"].sharding.mesh
-            state = stabljax.TrainState(
-                step=jax.ShapeDtypeStruct((), jnp.int32, sharding=NamedSharding(mesh, P())),
-                params=params,
-                opt_state=aot_tpu.abstract(jax.eval_shape(opt.init, params), rule),
-                loss_scale_state=None,
-            )
-            return state, batch
-
-        return step, args
+        return step, aot_tpu.train_state_args(opt)
 
     return make
 

@@ -33,8 +33,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-from jax.sharding import NamedSharding
-from jax.sharding import PartitionSpec as P
 
 import stabljax
 from experiments import cli
@@ -152,17 +150,7 @@ def tpu_steps(cfg: Config, arch: dict) -> dict:
 
         step = stabljax.make_train_step(loss_fn, opt, precision=precision)
 
-        def args(params, rule, batch):
-            mesh = batch["inputs"].sharding.mesh
-            state = stabljax.TrainState(
-                step=jax.ShapeDtypeStruct((), jnp.int32, sharding=NamedSharding(mesh, P())),
-                params=params,
-                opt_state=aot_tpu.abstract(jax.eval_shape(opt.init, params), rule),
-                loss_scale_state=None,
-            )
-            return state, batch
-
-        return step, args
+        return step, aot_tpu.train_state_args(opt)
 
     return {
         "plain": plain,
