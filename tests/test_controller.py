@@ -202,7 +202,7 @@ def test_crash_between_rollback_record_and_delete_is_finished_on_restart(tmp_pat
     ref_ctl, ref_state, ref_data = reference
     ctl = _controller(tmp_path)
 
-    def crash(step):
+    def crash(step, **kw):
         raise _Crash
 
     ctl._store.delete_newer_than = crash  # dies right after the rollback record is written

@@ -71,7 +71,9 @@ def test_fast_every_is_refused_on_several_processes():
     "kill",
     [
         # SIGKILL right after the first rollback (to fast copy 20; the record written, the
-        # persistent checkpoint 30 deleted): the restart restores 0 and takes the record.
+        # persistent checkpoint 30 of the abandoned branch not deleted yet, as a fast-tier
+        # rollback leaves it to the next save): the restart deletes it, restores 0 and takes
+        # the record.
         ["--kill-at-rollback", "1"],
         # SIGKILL at step 55, the fast tier holding 40 and 50: the restart resumes from 30.
         ["--kill-at-step", "55"],
@@ -86,6 +88,8 @@ def test_a_sigkill_loses_the_fast_tier_and_the_restart_resumes_from_the_director
     proc.communicate(timeout=300)
     assert proc.returncode == -9 and not out.exists()
     before = toy.event_kinds(tmp_path / "run")
+    # Either way checkpoint 30 is on disk: after the rollback, the abandoned branch's.
+    assert (tmp_path / "run" / "30" / "_CHECKPOINT_METADATA").is_file()
     proc = toy.start_ctl_worker(tmp_path / "run", out, *fast)
     _, err = proc.communicate(timeout=300)
     assert proc.returncode == 0, err[-2000:]
@@ -138,7 +142,11 @@ def _rollback_requests(emulator, run: str, **kw) -> tuple[RollbackController, li
 def test_a_fast_tier_rollback_reads_nothing_from_the_bucket(gcs_emulator):
     ctl, requests = _rollback_requests(gcs_emulator, "fast-rollback", **FAST)
     assert _restored(ctl) == [20]
-    assert _reads(requests) == []
+    # No read, no listing, no delete: two uploads, the rollback record and the rollback's
+    # events. The persistent checkpoint 30 of the abandoned branch is deleted by the next
+    # save (finish saved 20, and 30 is gone: _rollback_requests checks it).
+    assert [r.split(" ")[0] for r in requests] == ["POST", "POST"], requests
+    assert all(r.startswith("POST /upload/storage/v1/b/bkt/o?") for r in requests)
     # The same rollback from the bucket (a checkpoint at 20 there) reads it.
     ctl, requests = _rollback_requests(gcs_emulator, "bucket-rollback", **PERSISTENT)
     assert _restored(ctl) == [20]

@@ -335,7 +335,7 @@ def test_a_restart_right_after_a_rollback_keeps_the_remedy(tmp_path, where):
         class Crash(Exception):
             pass
 
-        def crash(step):
+        def crash(step, **kw):
             raise Crash
 
         ctl._store.delete_newer_than = crash

@@ -515,9 +515,9 @@ class RollbackController:
           fed_end: one past the last data index fed before the rollback.
         """
         store, monitor, fast = self._store, self._monitor, self._saver.fast
-        store.settle()
-        store.retain()
-        steps, onsets = sorted({*store.steps(), *fast.copies}), monitor.active_onsets()
+        # With a fast tier (one process) the directory is not listed: CheckpointStore.steps
+        steps = sorted({*store.settled_steps(known=fast.every is not None), *fast.copies})
+        onsets = monitor.active_onsets()
         onset = policy.onset_of(triggers, onsets)
         detected = max(d.step for d in triggers)
         to_best = monitor.rolls_back_to_best and all(d.action == "rollback_best" for d in triggers)
@@ -543,7 +543,7 @@ class RollbackController:
         plan = self._screen_hook(state, plan, losses, meta["ema"])
         state, plan = self._remedy_hook(state, plan, triggers)
         store.write_record(plan.record(time.time()))
-        store.delete_newer_than(target)  # only now: a crash before this is finished on restart
+        store.delete_newer_than(target, later=target in fast.copies)  # a crash: see resume
         if fast.copies:
             fast.drop_newer_than(target)
         kw = dict(steps_back=self._step - target, target_steps=self._loop.target)

@@ -192,6 +192,12 @@ class CheckpointStore:
         self._inflight: tuple[int, dict[str, Any]] | None = None
         self._writing: int | None = None  # the step inside manager.save (not on disk yet)
         self._warned: set[int] = set()  # foreign folders already warned about
+        # The steps as of the last listing, with this process's own saves and deletes since
+        # (steps(known=True)); and those a fast-tier rollback abandoned, deleted at the next
+        # write (abandon_newer_than).
+        self._known: set[int] = set()
+        self._abandoned: set[int] = set()
+        self._known_only = False  # holds() answers from _known (retain(known=True))
         self._sweeper = _Sweeper()
         self._worker: concurrent.futures.ThreadPoolExecutor | None = None
         self._working: concurrent.futures.Future | None = None
@@ -248,6 +254,7 @@ class CheckpointStore:
             raise self._failed(inflight[0], e) from e
         self._empty_trash()  # what retention dropped when the save committed
         if inflight is not None:
+            self._known.add(inflight[0])
             self.log("save", inflight[0], **inflight[1])
 
     def _failed(self, step: int, e: BaseException) -> CheckpointSaveError:
@@ -289,6 +296,7 @@ class CheckpointStore:
                 "step must increment state.step by one on every call (skipped or not)"
             )
         self.commit()
+        self._drop_abandoned()  # Orbax saves only past its newest step
         self.retain()  # catches up with a load (rollback, resume) since the last save
         if score is not None and not resume_only:
             self.scores[step] = score
@@ -348,18 +356,36 @@ class CheckpointStore:
 
     # --------------------------------------------------------------------------- reads
 
-    def steps(self) -> list[int]:
+    def steps(self, *, known: bool = False) -> list[int]:
         """The checkpoints of this run: Orbax's steps that Orbax committed (its
         ``_CHECKPOINT_METADATA`` marker) or that hold stabljax's ``meta`` item, and the
         save in flight. Another all-digit folder is not a step: it is never read, moved
-        or deleted (:meth:`foreign`)."""
+        or deleted (:meth:`foreign`). A step a rollback abandoned is not one either.
+
+        With ``known``, the directory is not asked: the steps of the last listing, with
+        this process's commits and deletes since. Only for a run of one process, the
+        directory's only writer (it holds the run's lock), and with no save in flight.
+        """
+        if known:
+            return sorted(self._known - self._abandoned)
         self.files.refresh()  # what another host wrote since (an object store's listings)
-        return sorted(s for s in self.manager.all_steps() if self.holds(s))
+        found = [s for s in self.manager.all_steps() if self.holds(s)]
+        self._known = set(found)
+        return sorted(s for s in found if s not in self._abandoned)
+
+    def settled_steps(self, *, known: bool = False) -> list[int]:
+        """A rollback's first look: waits for the saves in flight (:meth:`settle`), applies
+        retention (:meth:`retain`) and returns :meth:`steps` (``known``: as there)."""
+        self.settle()
+        self.retain(known=known)
+        return self.steps(known=known)
 
     def holds(self, step: int) -> bool:
         """Whether Orbax's step ``step`` is a checkpoint of this run (:meth:`steps`)."""
         if step == self._writing or (self._inflight is not None and step == self._inflight[0]):
             return True
+        if self._known_only:
+            return step in self._known and step not in self._abandoned
         path = self.directory / str(step)
         return (path / COMMIT_MARKER).is_file() or (path / "meta").is_dir()
 
@@ -465,28 +491,50 @@ class CheckpointStore:
     def best(self, steps: Sequence[int]) -> int | None:
         return policy.best_step(steps, self.scores)
 
-    def retain(self) -> None:
+    def retain(self, *, known: bool = False) -> None:
         """Applies :attr:`retention` now, between saves (no save in flight): deletes the
-        checkpoints it does not preserve and forgets their scores and marks."""
-        kept = self.retention.kept(self.manager.all_steps())
-        surplus = [s for s in self.steps() if s not in kept]
+        checkpoints it does not preserve and forgets their scores and marks. ``known``:
+        as for :meth:`steps` (no listing; a deletion still asks the directory)."""
+        self._known_only = known
+        try:
+            kept = self.retention.kept(self.manager.all_steps())
+            surplus = [s for s in self.steps(known=known) if s not in kept]
+        finally:
+            self._known_only = False
         if surplus:
             self.delete(surplus)
         self.scores = {s: v for s, v in self.scores.items() if s in kept}
         self.resume_only &= set(kept)
 
     def delete(self, steps: Sequence[int]) -> None:
-        existing = set(self.steps())
+        existing = set(self.steps()) | self._abandoned
         for s in sorted(steps, reverse=True):
             if s in existing:
                 self.manager.delete(s)
+                self._known.discard(s)
+                self._abandoned.discard(s)
         self._empty_trash()
 
-    def delete_newer_than(self, step: int) -> None:
+    def delete_newer_than(self, step: int, *, later: bool = False) -> None:
+        """Deletes the checkpoints after ``step`` (a rollback abandoned their branch).
+
+        With ``later`` (one process, as :meth:`steps`'s ``known``), they only leave
+        :meth:`steps` now and are deleted at the next :meth:`write`, so a rollback to a
+        fast-tier copy asks nothing of the directory. The rollback record written before
+        this makes a restart in between delete them too (:func:`~stabljax.control.resume.resume`).
+        """
         self.settle()
-        self.delete([s for s in self.steps() if s > step])
+        newer = [s for s in self.steps(known=later) if s > step]
+        if later:
+            self._abandoned.update(newer)
+        else:
+            self.delete(newer)
         self.scores = {s: v for s, v in self.scores.items() if s <= step}
         self.resume_only = {s for s in self.resume_only if s <= step}
+
+    def _drop_abandoned(self) -> None:
+        if self._abandoned:
+            self.delete(sorted(self._abandoned))
 
     def _empty_trash(self) -> None:
         """Removes deleted checkpoints off the training thread (primary host only).
@@ -526,6 +574,7 @@ class CheckpointStore:
         if is_primary() and self.files.exists(str(step)):
             self.files.move(str(step), f"{CORRUPT}/{step}-{int(time.time())}")
         barrier(f"set_aside_{step}")
+        self._known.discard(step)
         self.manager.reload()
 
     def close(self) -> None:
