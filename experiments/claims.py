@@ -25,6 +25,7 @@ from experiments.holm_family import one_family, seeds_note
 
 ORDER = (
     "spike_recovery",
+    "lr_robust",
     "adam_eps",
     "lr_sensitivity",
     "warmup",

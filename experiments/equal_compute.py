@@ -13,6 +13,7 @@ last kept state: the newest state at a save boundary at or before the onset that
 
 from __future__ import annotations
 
+import collections
 import math
 import time
 
@@ -98,10 +99,10 @@ def run_scanned(progs: Programs, kind: str, seeds, lrs, steps: int) -> list[dict
     return out
 
 
-def controller(cfg, ckpt, remedy: bool) -> stabljax.RollbackController:
-    """The controller at its default detectors; ``remedy``: it also multiplies the restored
-    LR by ``cfg.remedy_factor`` at every rollback."""
-    kw = {}
+def controller(cfg, ckpt, remedy: bool, **kw) -> stabljax.RollbackController:
+    """The controller (default detectors unless ``kw`` gives ``detectors``); ``remedy``: it
+    also multiplies the restored LR by ``cfg.remedy_factor`` at every rollback; ``kw``: more
+    controller arguments (``detectors``, ``warning_response``)."""
     if remedy:
         from stabljax.control.decide import remedies
 
@@ -116,12 +117,16 @@ def controller(cfg, ckpt, remedy: bool) -> stabljax.RollbackController:
     )
 
 
-def run_controlled(cfg, progs: Programs, seed: int, lr: float, ckpt, *, remedy: bool) -> dict:
+def run_controlled(
+    cfg, progs: Programs, seed: int, lr: float, ckpt, *, remedy: bool, kind: str = "plain", **kw
+) -> dict:
     """One seed under the controller, stopped after exactly ``cfg.steps`` calls (or when
-    the controller gives up)."""
-    state = progs.state("plain", seed, lr)
-    step = progs.steps["plain"]
-    ctl = controller(cfg, ckpt, remedy)
+    the controller gives up). ``kind``: the optimizer and step of ``progs``; ``kw``: more
+    controller arguments (:func:`controller`). ``event_counts``: the controller's events by
+    kind."""
+    state = progs.state(kind, seed, lr)
+    step = progs.steps[kind]
+    ctl = controller(cfg, ckpt, remedy, **kw)
     calls, losses, tagged, snaps, end = [], [], [], {}, {}
 
     def tick(state, batch):
@@ -164,6 +169,7 @@ def run_controlled(cfg, progs: Programs, seed: int, lr: float, ckpt, *, remedy: 
         seed=seed,
         lr=lr,
         final_lr=final_lr,
+        event_counts=dict(collections.Counter(e["kind"] for _, e in events)),
         wall_s=round(time.perf_counter() - t0, 1),
     )
 

@@ -63,8 +63,9 @@ class Task:
     heldout_frac: float = 0.1
     eval_batches: int = 16
 
-    def model(self, seed: int):
-        """``(apply_fn, params)`` of the reference Transformer, initialised from ``seed``."""
+    def model(self, seed: int, **call_kwargs):
+        """``(apply_fn, params)`` of the reference Transformer, initialised from ``seed``;
+        ``call_kwargs`` go to every call (``return_aux=True``: ``(logits, aux)``)."""
         from flax import nnx
 
         from stabljax.reference.nn import TransformerConfig, TransformerLM
@@ -76,7 +77,7 @@ class Task:
             n_heads=self.n_heads,
             max_len=self.seq_len,
         )
-        return stabljax.nnx_apply(TransformerLM(cfg, rngs=nnx.Rngs(seed)))
+        return stabljax.nnx_apply(TransformerLM(cfg, rngs=nnx.Rngs(seed)), **call_kwargs)
 
     def optimizer(self, schedule=None) -> optax.GradientTransformation:
         """Adam, its LR in the state (``optax.inject_hyperparams``: a remedy can lower it,

@@ -288,14 +288,14 @@ def reading(s: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def output_argv(argv) -> list[str]:
+def output_argv(argv, folder: str = RUN_FOLDER) -> list[str]:
     """``argv`` with the results folder made explicit: ``--out`` if given, else the committed
-    folder with ``--commit-results``, else :data:`RUN_FOLDER` (git-ignored)."""
+    folder with ``--commit-results``, else ``folder`` (:data:`RUN_FOLDER`, git-ignored)."""
     argv = list(argv)
     commit = "--commit-results" in argv
     argv = [a for a in argv if a != "--commit-results"]
     if not commit and not any(a == "--out" or a.startswith("--out=") for a in argv):
-        argv = [*argv, "--out", RUN_FOLDER]
+        argv = [*argv, "--out", folder]
     return argv
 
 

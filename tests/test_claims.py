@@ -33,6 +33,7 @@ BASE_GRID = {
     "init_schemes": None,
     "qk_clip": lambda k: k.split()[0],  # "muon ..." / "adamw ..."
     "spike_recovery": None,
+    "lr_robust": None,
 }
 #: Per experiment: the rows' arm field, the base arm's value, a filter, a group field.
 ROWS = {
