@@ -29,8 +29,11 @@ Primary metric (:data:`PRIMARY`, declared before the run): per seed, the final h
 over the unguarded run's at the best LR, minus 1 (:func:`gaps`). The moonshot target, per
 arm: 0 diverged runs and the gap shown below 1 % at every LR of the grid. The family
 (:func:`comparisons`), paired per seed, paired t-intervals and p-values, Holm over all of
-it: each arm at each LR against the 1 % margin (the reference run itself left out), and
-reactive and predictive against unguarded, predictive against reactive, at each LR.
+it: each arm at each LR above 1x against the 1 % margin, and reactive and predictive
+against unguarded, predictive against reactive, at each LR. At 1x the arms meet the
+reference run itself (``arm − unguarded @ 1x``), not the margin: a controller that never
+acts there *is* the reference run, and a margin test on it would be a zero-variance test
+"showing" what holds by construction.
 
     python -m experiments.lr_robust [--quick] [--multiples 1 2 4 10] [--seeds 100 101] ...
 
@@ -201,8 +204,9 @@ def gaps(values, reference) -> list[float]:
 
 def comparisons(cfg: Config, ec: dict, lrs: list[float]) -> dict[str, dict[str, list]]:
     """The family, fixed before the run, on :func:`gaps` to the unguarded best-LR run: per
-    LR, each arm against the 1 % margin (not the reference run itself), reactive and
-    predictive against unguarded, predictive against reactive."""
+    LR, each arm against the 1 % margin (above 1x only: at 1x the pairs below compare the
+    arms with the reference run itself), reactive and predictive against unguarded,
+    predictive against reactive."""
     ref = ec[key("unguarded", 1.0)]["final_heldout"]
     gap = {k: gaps(v["final_heldout"], ref) for k, v in ec.items()}
     size, n = f"d{cfg.d_model}x{cfg.n_layers}", len(cfg.seeds)
@@ -210,7 +214,7 @@ def comparisons(cfg: Config, ec: dict, lrs: list[float]) -> dict[str, dict[str, 
     for m, lr in zip(cfg.multiples, lrs, strict=True):
         at = f"@ lr {lr:.3g} ({m:g}x best), {size}"
         for arm in ARMS:
-            if not (arm == "unguarded" and m == 1.0):
+            if m != 1.0:
                 out[f"{arm} − 1 % margin {at}"] = {"remedy": gap[key(arm, m)], "base": [MARGIN] * n}
         for arm, base in (("reactive", "unguarded"), ("predictive", "unguarded"),
                           ("predictive", "reactive")):  # fmt: skip
@@ -219,21 +223,29 @@ def comparisons(cfg: Config, ec: dict, lrs: list[float]) -> dict[str, dict[str, 
 
 
 def moonshot(cfg: Config, ec: dict, family: dict, lrs: list[float]) -> dict:
-    """Per arm and LR: diverged runs, the mean gap, whether within 1 % is shown (the margin
-    comparison met; the reference run is within by definition); ``met``: 0 diverged and
-    within 1 % shown at every LR of the grid."""
+    """Per arm and LR: diverged runs, the mean gap, whether within 1 % is shown (above 1x:
+    the margin comparison met; at 1x, where the reference run is within by definition: a
+    mean gap of at most 1 % and the arm not shown worse than unguarded there); ``met``: 0
+    diverged and within 1 % shown at every LR of the grid."""
     ref = ec[key("unguarded", 1.0)]["final_heldout"]
-    out = {}
+    size, out = f"d{cfg.d_model}x{cfg.n_layers}", {}
     for arm in ARMS:
         per = {}
         for m, lr in zip(cfg.multiples, lrs, strict=True):
-            name = [k for k in family if k.startswith(f"{arm} − 1 % margin @ lr {lr:.3g} (")]
             a = ec[key(arm, m)]
+            mean_gap = float(np.mean(gaps(a["final_heldout"], ref)))
+            if m != 1.0:
+                within = family[f"{arm} − 1 % margin @ lr {lr:.3g} ({m:g}x best), {size}"]
+                within = bool(within["claim_met"])
+            else:
+                pair = family.get(f"{arm} − unguarded @ lr {lr:.3g} (1x best), {size}")
+                worse = pair is not None and pair["ci95"][0] > 0 and pair["p_holm"] < 0.05
+                within = mean_gap <= MARGIN and not worse
             per[f"{m:g}x"] = {
                 "lr": lr,
                 "diverged": int(sum(a["diverged"])),
-                "mean_gap": float(np.mean(gaps(a["final_heldout"], ref))),
-                "within_1pct_shown": bool(family[name[0]]["claim_met"]) if name else True,
+                "mean_gap": mean_gap,
+                "within_1pct_shown": within,
             }
         met = all(p["diverged"] == 0 and p["within_1pct_shown"] for p in per.values())
         out[arm] = {"met": met, "per_multiple": per}

@@ -51,9 +51,10 @@ def test_family_and_moonshot_on_hand_built_losses():
     }, diverged={("reactive", 10.0, 2)})  # fmt: skip
     lrs = [0.003, 0.03]
     comp = lr_robust.comparisons(cfg, ec, lrs)
-    # 1x: two arms against the margin (not the reference) + 3 pairs; 10x: 3 + 3.
-    assert len(comp) == 11
-    assert "unguarded − 1 % margin @ lr 0.003 (1x best), d32x2" not in comp
+    # 1x: the 3 pairs only (no arm against the margin: the reference run is the 1x
+    # unguarded one, and a controller that never acts there is that run); 10x: 3 + 3.
+    assert len(comp) == 9
+    assert not [k for k in comp if "margin @ lr 0.003" in k]
     c = comp["predictive − 1 % margin @ lr 0.03 (10x best), d32x2"]
     assert c["remedy"] == pytest.approx([0.001, 0.001, 0.002]) and c["base"] == [0.01] * 3
     c = comp["reactive − unguarded @ lr 0.03 (10x best), d32x2"]
@@ -61,7 +62,7 @@ def test_family_and_moonshot_on_hand_built_losses():
     assert c["base"] == pytest.approx([0.2, 0.2, 0.2])
     fam = stats.family(lr_robust.PRIMARY, comp, test="paired_t")
     # predictive @ 10x: gap - 1 % = [-0.009, -0.009, -0.008]: mean -0.008667, sd 0.000577,
-    # t = 26.0 on 2 df, p = 0.001476; Holm over 11 ranks it among the smallest.
+    # t = 26.0 on 2 df, p = 0.001476; Holm over 9 ranks it among the smallest.
     d = fam["predictive − 1 % margin @ lr 0.03 (10x best), d32x2"]
     assert d["effect_mean"] == pytest.approx(-0.026 / 3)
     assert d["p_test"] == pytest.approx(0.001476, abs=2e-6) and d["claim_met"]
@@ -72,6 +73,28 @@ def test_family_and_moonshot_on_hand_built_losses():
     assert per["10x"]["diverged"] == 1 and per["1x"]["within_1pct_shown"]
     assert goal["unguarded"]["per_multiple"]["1x"]["within_1pct_shown"]  # by definition
     assert goal["unguarded"]["per_multiple"]["10x"]["mean_gap"] == pytest.approx(0.2)
+
+
+def test_at_1x_an_arm_that_acted_is_judged_against_the_reference_run():
+    import dataclasses
+
+    cfg = dataclasses.replace(
+        lr_robust.Config.quick(), seeds=(0, 1, 2), multiples=(1.0, 10.0), d_model=32, n_layers=2
+    )
+    ref = [2.0, 2.1, 2.2]
+    worse = [2.06, 2.163, 2.2671]  # +3.0 %, +3.0 %, +3.05 %: its rollbacks hurt a healthy run
+    ec = _ec({
+        ("unguarded", 1.0): ref, ("reactive", 1.0): worse, ("predictive", 1.0): ref,
+        ("unguarded", 10.0): ref, ("reactive", 10.0): ref, ("predictive", 10.0): ref,
+    })  # fmt: skip
+    fam = stats.family(lr_robust.PRIMARY, lr_robust.comparisons(cfg, ec, [0.003, 0.03]))
+    per = {
+        a: g["per_multiple"]["1x"]
+        for a, g in lr_robust.moonshot(cfg, ec, fam, [0.003, 0.03]).items()
+    }
+    assert per["reactive"]["mean_gap"] == pytest.approx((0.03 + 0.03 + 0.0305) / 3)
+    assert not per["reactive"]["within_1pct_shown"]  # mean gap 3 % > 1 %
+    assert per["predictive"]["within_1pct_shown"] and per["unguarded"]["within_1pct_shown"]
 
 
 def test_results_go_to_their_own_run_folder():
@@ -109,7 +132,8 @@ def test_lr_robust(tmp_path):
     # The family, recomputed: gaps to the unguarded best-LR run, paired t, Holm over all.
     ref = ec[lr_robust.key("unguarded", 1.0)]["final_heldout"]
     fam = s["remedies"]
-    assert len(fam) == s["family_size"] == 6 * len(cfg["multiples"]) - 1
+    # Per LR the 3 pairs, and above 1x each arm against the margin.
+    assert len(fam) == s["family_size"] == 6 * len(cfg["multiples"]) - 3
     for name, r in fam.items():
         arm, _, rest = name.partition(" − ")
         m = float(rest.split("(")[1].split("x best")[0])
