@@ -151,3 +151,35 @@ def test_a_fast_tier_rollback_reads_nothing_from_the_bucket(gcs_emulator):
     ctl, requests = _rollback_requests(gcs_emulator, "bucket-rollback", **PERSISTENT)
     assert _restored(ctl) == [20]
     assert any("bucket-rollback%2F20%2Fstate" in r for r in _reads(requests)), requests
+
+
+def test_on_the_bucket_a_sigkill_after_a_fast_rollback_resumes_from_the_bucket(
+    gcs_emulator, tmp_path, persistent_run
+):
+    """Item 4 on its users' ground: the run directory is ``gs://``, each process has its own
+    empty cwd. SIGKILL right after the rollback to fast copy 20 (persistent 30 of the
+    abandoned branch still in the bucket): the restart finishes the rollback from the
+    record in the bucket, resumes from the bucket's checkpoint 0 and ends bit-identical."""
+    import gcsfs
+
+    from stabljax.control import read_events
+
+    run, out = f"gs://{BUCKET}/fast-kill", tmp_path / "final.npz"
+    fast = ["--save-every", "30", "--fast-every", "10", "--sync"]
+    proc = toy.start_ctl_worker(run, out, *fast, "--kill-at-rollback", "1")
+    proc.communicate(timeout=300)
+    assert proc.returncode == -9 and not out.exists()
+    fs = gcsfs.GCSFileSystem(token="anon", skip_instance_cache=True)
+    assert fs.exists(f"{BUCKET}/fast-kill/30/commit_success.txt")  # abandoned, not deleted
+    fs.rm(f"{BUCKET}/fast-kill/stabljax.lock")  # the operator takes over the dead job's lock
+    proc = toy.start_ctl_worker(run, out, *fast)
+    _, err = proc.communicate(timeout=300)
+    assert proc.returncode == 0, err[-2000:]
+    restores = [e for e in read_events(f"{run}/events.jsonl") if e.kind == "restore"]
+    resumed = [e for e in restores if e.details.get("reason", "").startswith("resume")]
+    assert len(resumed) == 1 and resumed[0].step == 0
+    assert "interrupted rollback" in resumed[0].details["reason"]
+    got, (_, ref_state, _) = np.load(out), persistent_run
+    np.testing.assert_array_equal(got["w"], host(ref_state.params)["w"])
+    np.testing.assert_array_equal(got["b"], host(ref_state.params)["b"])
+    assert not any(p.name != "final.npz" and "json" not in p.name for p in tmp_path.iterdir())
