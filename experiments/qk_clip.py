@@ -298,7 +298,7 @@ def tables(cfg: Config, rows: list[dict], summary: dict, effects: dict) -> str:
         f"Max logit: the max attention logit over the last quarter of the run. {grid}.\n\n"
         + "\n".join(per_opt)
         + f"\nPrimary metric: {PRIMARY_TEXT}. Paired per-seed differences, 95 % t-intervals, "
-        "exact sign-flip p-values, Holm over all rows\n\n" + common.markdown_table(e)
+        "paired t p-values (sign-flip p beside), Holm over all rows\n\n" + common.markdown_table(e)
     )
 
 

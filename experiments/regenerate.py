@@ -42,6 +42,7 @@ PLAN: dict[str, tuple[tuple[str, ...], float]] = {
     ),
     # Every arm at tau 100 (the committed run reused the tau-20 run's none/qk_norm rows).
     "qk_clip": (("experiments.qk_clip", "--no-progress"), 1400.0),
+    "lr_robust": (("experiments.lr_robust", "--commit-results", "--no-progress"), 578.0),
 }
 
 
