@@ -316,21 +316,11 @@ def table(cfg: Config, s: dict) -> str:
             "final LR (mean)": f"{np.mean(a['final_lr']):.3g}",
             "calls": " ".join(sorted({str(n) for n in a["steps_executed"]})),
         })  # fmt: skip
-    eff = common.family_rows(s["remedies"], "Δ gap [95% t-CI]")
-    for e, r in zip(eff, s["remedies"].values(), strict=True):
-        e["p (paired t)"] = f"{r['p_test']:.2g}"
-    g = s["lr_grid"]
-    scan = [
-        {"lr": f"{x:g}", "final held-out": f"{v:.4f}"}
-        for x, v in zip(g["lrs"], g["score"], strict=True)
-    ]
     return (
         reading(s)
         + "\n"
-        + common.captioned_tables(
-            (f"Means over {len(cfg.seeds)} seeds, {cfg.steps} train-step calls per run", rows),
-            (f"{PRIMARY}, paired per seed; paired t p-values, Holm over all {len(eff)}", eff),
-            (f"LR scan ({g['arm']}): best {g['best_lr']:g}", scan),
+        + common.equal_compute_tables(
+            s, rows, "Δ gap [95% t-CI]", len(cfg.seeds), cfg.steps, PRIMARY
         )
     )
 
