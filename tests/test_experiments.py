@@ -387,10 +387,10 @@ def test_family_with_the_paired_t_test_goes_below_the_sign_flip_floor():
 
 # Results written before results recorded their library commit (2026-12-07), and so
 # older than that day's library changes: the claims pages call them out. Each leaves this
-# list when it is regenerated (`python -m experiments.regenerate`, about 20 min on 2 cores
-# for the two left);
+# list when it is regenerated (`python -m experiments.regenerate`, about 15 min on 2 cores
+# for the one left);
 # the test below fails if one is regenerated and still listed, so the list only shrinks.
-UNRECORDED = frozenset(("clipping", "lr_sensitivity"))
+UNRECORDED = frozenset(("lr_sensitivity",))
 
 
 def test_every_committed_result_ran_on_the_library_it_claims():
