@@ -27,21 +27,21 @@ import time
 from experiments.common import LIBRARY_PATHS, RESULTS, git
 
 #: name -> (arguments after ``python -m``, wall seconds of the committed run on the shared
-#: 2-core machine, where it was recorded; a rough guide, the load varied).
+#: 2-core machine, one run at a time; a rough guide, the load varies).
 PLAN: dict[str, tuple[tuple[str, ...], float]] = {
     "spike_recovery": (("experiments.spike_recovery", "--commit-results", "--no-progress"), 517.0),
-    "adam_eps": (("experiments.adam_eps", "--no-progress"), 2278.0),
-    "lr_sensitivity": (("experiments.lr_sensitivity", "--no-progress"), 3171.0),
-    "warmup": (("experiments.warmup", "--no-progress"), 2408.0),
-    "clipping": (("experiments.clipping", "--no-progress"), 2757.0),
-    "precision": (("experiments.precision", "--no-progress"), 2486.0),
+    "adam_eps": (("experiments.adam_eps", "--no-progress"), 508.7),
+    "lr_sensitivity": (("experiments.lr_sensitivity", "--no-progress"), 1108.0),
+    "warmup": (("experiments.warmup", "--no-progress"), 320.3),
+    "clipping": (("experiments.clipping", "--no-progress"), 453.0),
+    "precision": (("experiments.precision", "--no-progress"), 512.0),
     # The committed best LR rests on 5 scan seeds (2 in the run, 3 added by a rescan).
     "init_schemes": (
         ("experiments.init_schemes", "--no-progress", "--scan-seeds", "0", "1", "2", "3", "4"),
-        2400.0,
+        591.5,
     ),
     # Every arm at tau 100 (the committed run reused the tau-20 run's none/qk_norm rows).
-    "qk_clip": (("experiments.qk_clip", "--no-progress"), 1400.0),
+    "qk_clip": (("experiments.qk_clip", "--no-progress"), 505.2),
     "lr_robust": (("experiments.lr_robust", "--commit-results", "--no-progress"), 578.0),
 }
 

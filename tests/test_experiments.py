@@ -385,27 +385,13 @@ def test_family_with_the_paired_t_test_goes_below_the_sign_flip_floor():
         stats.family("loss", {"a": {"remedy": remedy, "base": base}}, test="wilcoxon")
 
 
-# Results written before results recorded their library commit (2026-12-07), and so
-# older than that day's library changes: the claims pages call them out. Each leaves this
-# list when it is regenerated (`python -m experiments.regenerate`, about 15 min on 2 cores
-# for the one left);
-# the test below fails if one is regenerated and still listed, so the list only shrinks.
-UNRECORDED = frozenset(("lr_sensitivity",))
-
-
 def test_every_committed_result_ran_on_the_library_it_claims():
     """Staleness: a results.json records the commit it ran on; a file under stabljax/control/
-    or stabljax/optim/ that changed since (committed or not) makes it stale. Regenerate.
-    Only the results listed in ``UNRECORDED`` (no record at all) are let through, by name."""
+    or stabljax/optim/ that changed since (committed or not) makes it stale, and so does a
+    result with no record. Regenerate."""
     from experiments import regenerate
 
-    found = regenerate.stale()
-    unrecorded = {n for n, why in found.items() if "records no library commit" in why}
-    assert unrecorded == UNRECORDED, (
-        f"unrecorded results {sorted(unrecorded)} != the list {sorted(UNRECORDED)}: "
-        "a regenerated experiment leaves UNRECORDED, and no new result may lack a record"
-    )
-    stale = {n: why for n, why in found.items() if n not in UNRECORDED}
+    stale = regenerate.stale()
     assert not stale, "\n".join(
         f"experiments/results/{n}/results.json is stale ({why}); regenerate it with "
         f"`{regenerate.command(n)}`, or all of them with `python -m experiments.regenerate`"
