@@ -242,12 +242,11 @@ def family_rows(remedies: dict[str, dict[str, Any]], label: str) -> list[dict[st
 
 
 def equal_compute_tables(
-    s: dict[str, Any], rows: Sequence[dict[str, Any]], label: str, seeds: int, steps: int,
-    primary: str,
-) -> str:  # fmt: skip
+    cfg: Any, s: dict[str, Any], rows: Sequence[dict[str, Any]], label: str, primary: str
+) -> str:
     """The three tables of an equal-compute LM experiment's results.md (spike_recovery,
-    lr_robust): the per-arm ``rows``, the one Holm family with its paired-t p-values, and
-    the LR scan the best fixed LR came from."""
+    lr_robust; ``cfg`` has ``seeds`` and ``steps``): the per-arm ``rows``, the one Holm
+    family with its paired-t p-values, and the LR scan the best fixed LR came from."""
     eff = family_rows(s["remedies"], label)
     for e, r in zip(eff, s["remedies"].values(), strict=True):
         e["p (paired t)"] = f"{r['p_test']:.2g}"
@@ -257,7 +256,7 @@ def equal_compute_tables(
         for lr, v in zip(g["lrs"], g["score"], strict=True)
     ]
     return captioned_tables(
-        (f"Means over {seeds} seeds, {steps} train-step calls per run", rows),
+        (f"Means over {len(cfg.seeds)} seeds, {cfg.steps} train-step calls per run", rows),
         (f"{primary}, paired per seed; paired t p-values, Holm over all {len(eff)}", eff),
         (f"LR scan ({g['arm']}): best {g['best_lr']:g}", scan),
     )

@@ -1,7 +1,7 @@
 """LR-robust training (issue 51, item 5): the controller at 1-10x the best fixed LR.
 
-At 1-10x the best fixed LR, no warmup, equal compute: does the controller keep every run
-from diverging and within 1 % of the best-LR run? (Committed: no; it never acted.)
+At 1-10x the best fixed LR, no warmup, does the controller keep every run from diverging
+and within 1 % of the best-LR run, at equal compute?
 
 The task is the main job's (:mod:`experiments.spike_recovery`, :mod:`experiments.lm_spikes`):
 the reference byte-level Transformer on the embedded corpus, Adam at a constant LR, no
@@ -317,11 +317,7 @@ def table(cfg: Config, s: dict) -> str:
             "calls": " ".join(sorted({str(n) for n in a["steps_executed"]})),
         })  # fmt: skip
     return (
-        reading(s)
-        + "\n"
-        + common.equal_compute_tables(
-            s, rows, "Δ gap [95% t-CI]", len(cfg.seeds), cfg.steps, PRIMARY
-        )
+        reading(s) + "\n" + common.equal_compute_tables(cfg, s, rows, "Δ gap [95% t-CI]", PRIMARY)
     )
 
 

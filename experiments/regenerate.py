@@ -35,12 +35,12 @@ PLAN: dict[str, tuple[tuple[str, ...], float]] = {
     "warmup": (("experiments.warmup", "--no-progress"), 320.3),
     "clipping": (("experiments.clipping", "--no-progress"), 453.0),
     "precision": (("experiments.precision", "--no-progress"), 512.0),
-    # The committed best LR rests on 5 scan seeds (2 in the run, 3 added by a rescan).
+    # The best LR from a 5-seed scan of the base arm, all in the run.
     "init_schemes": (
         ("experiments.init_schemes", "--no-progress", "--scan-seeds", "0", "1", "2", "3", "4"),
         591.5,
     ),
-    # Every arm at tau 100 (the committed run reused the tau-20 run's none/qk_norm rows).
+    # Every arm trained afresh at tau 100 (no --reuse of the tau-20 rows).
     "qk_clip": (("experiments.qk_clip", "--no-progress"), 505.2),
     "lr_robust": (("experiments.lr_robust", "--commit-results", "--no-progress"), 578.0),
 }

@@ -235,9 +235,7 @@ def table(cfg: Config, s: dict) -> str:
     return (
         reading(s)
         + "\n"
-        + common.equal_compute_tables(
-            s, rows, "Δ final held-out [95% t-CI]", len(cfg.seeds), cfg.steps, PRIMARY
-        )
+        + common.equal_compute_tables(cfg, s, rows, "Δ final held-out [95% t-CI]", PRIMARY)
     )
 
 
